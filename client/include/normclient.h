@@ -1,0 +1,257 @@
+/*
+ * libnormclient: the client library of normd, the GPU normalization service.
+ *
+ * A process connects to normd over a Unix socket, registers the memory it
+ * wants jobs to read and write (host memory shared through memfd on the CPU
+ * backend), and submits LayerNorm / RMSNorm forward and backward jobs that
+ * name tensors as (region, offset) pairs. Nothing is copied between
+ * processes: the daemon reads and writes the registered memory in place.
+ *
+ * Errors: every action function returns 0 (NC_OK) or a negative NC_E* code
+ * from the table below; nc_strerror() names it and nc_last_error() gives the
+ * daemon's (or the library's) one-line explanation of the latest failure.
+ *
+ * Threads: one nc_conn may be used from several threads at once. Sends are
+ * serialized by a lock; whichever thread waits for a reply reads the socket
+ * and hands replies meant for other threads over to them. Each region must
+ * be freed by one thread, after the last job using it has completed.
+ * nc_last_error() is per thread: it reports the last failure of the calling
+ * thread on any connection.
+ */
+#ifndef NORMCLIENT_H
+#define NORMCLIENT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define NC_API __attribute__((visibility("default")))
+#else
+#define NC_API
+#endif
+
+/*
+ * The status table, shared with the daemon and the wire protocol: the wire
+ * Status value of NAME is N, the library returns NC_E##NAME == -N. Codes at
+ * 100 and above are the library's own and never travel on the wire.
+ */
+#define NC_STATUS_MAP(X)                                                                \
+	X(INVALID_ARGUMENT, 1, "invalid argument")                                      \
+	X(OUT_OF_RANGE, 2, "out of range")                                              \
+	X(NOT_FOUND, 3, "not found")                                                    \
+	X(ALREADY_EXISTS, 4, "already exists")                                          \
+	X(RESOURCE_EXHAUSTED, 5, "resource exhausted")                                  \
+	X(UNSUPPORTED, 6, "unsupported")                                                \
+	X(PROTOCOL_ERROR, 7, "protocol error")                                          \
+	X(SHUTTING_DOWN, 8, "server is shutting down")                                  \
+	X(DEVICE_ERROR, 9, "device error")                                              \
+	X(INTERNAL, 10, "internal error")                                               \
+	X(IO, 100, "connection I/O error")                                              \
+	X(TIMEOUT, 101, "timed out")                                                    \
+	X(NOMEM, 102, "out of memory")
+
+enum nc_status {
+	NC_OK = 0,
+#define NC__STATUS_ENUM(name, value, text) NC_E##name = -(value),
+	NC_STATUS_MAP(NC__STATUS_ENUM)
+#undef NC__STATUS_ENUM
+};
+
+/* A static name for a status ("ok", "invalid argument", ...). Any thread. */
+NC_API const char *nc_strerror(int status);
+
+/* The NC_STATUS_MAP name of a status ("OK", "INVALID_ARGUMENT", ...). */
+NC_API const char *nc_status_name(int status);
+
+/*
+ * The one-line explanation of the calling thread's latest failed call (the
+ * daemon's message when the daemon refused it). Valid until the same thread
+ * calls the library again. Never NULL.
+ */
+NC_API const char *nc_last_error(void);
+
+typedef struct nc_conn nc_conn;
+typedef struct nc_region nc_region;
+
+/* ---- connection ------------------------------------------------------------ */
+
+/*
+ * Connects to the daemon at `socket_path` and exchanges Hello. Waits at most
+ * `timeout_ms` for the connection and the reply (< 0: no limit).
+ * `client_name` (may be NULL) appears in the daemon's logs.
+ * On success *out owns the connection; release it with nc_close().
+ * Errors: NC_EINVALID_ARGUMENT, NC_EIO (no daemon there), NC_ETIMEOUT,
+ * NC_EPROTOCOL_ERROR (version refused), NC_ENOMEM.
+ */
+NC_API int nc_connect(const char *socket_path, const char *client_name, int timeout_ms,
+		      nc_conn **out);
+
+/*
+ * Says Goodbye, closes the socket and frees the connection. Regions still
+ * registered are released by the daemon once their jobs end; their local
+ * mappings are unmapped here. Accepts NULL. Call it once, from one thread,
+ * when no other thread uses the connection.
+ */
+NC_API void nc_close(nc_conn *conn);
+
+/* What the daemon said about itself in its HelloReply. Owned by the connection. */
+struct nc_server_info {
+	char version[32];
+	char backend[16];      /* "cpu" or "cuda" */
+	uint32_t server_pid;
+	uint32_t max_frame;
+	uint32_t max_regions;
+	uint32_t max_jobs_in_flight;
+	uint64_t max_mapped_bytes;
+	uint32_t device_count;
+};
+NC_API const struct nc_server_info *nc_server_info(const nc_conn *conn);
+
+/* Round trip with no work. Errors: NC_EIO, NC_ETIMEOUT. */
+NC_API int nc_ping(nc_conn *conn, int timeout_ms);
+
+/* ---- regions --------------------------------------------------------------- */
+
+/*
+ * Creates `size` bytes of shared host memory (memfd), maps it here and
+ * registers it with the daemon (CPU backend). The memory starts zeroed.
+ * On success *out owns the region; free it with nc_region_free().
+ * Errors: NC_EINVALID_ARGUMENT (size 0), NC_ENOMEM, NC_EIO, and the daemon's
+ * refusals (NC_ERESOURCE_EXHAUSTED past its limits, NC_EUNSUPPORTED on a
+ * backend without host regions).
+ */
+NC_API int nc_region_alloc_host(nc_conn *conn, size_t size, nc_region **out);
+
+/*
+ * Registers an existing memfd (or any mmap-able fd) of at least `size` bytes
+ * and maps it here. The library dups `fd`; the caller keeps its own.
+ */
+NC_API int nc_region_register_fd(nc_conn *conn, int fd, size_t size, nc_region **out);
+
+/*
+ * Unregisters the region and unmaps it. The daemon keeps its own mapping
+ * until jobs already submitted on the region have completed, so calling this
+ * with jobs in flight is safe for the daemon but leaves their results unseen.
+ * Accepts NULL. Errors: those of the daemon's reply (the local mapping is
+ * released regardless).
+ */
+NC_API int nc_region_free(nc_region *region);
+
+NC_API void *nc_region_data(const nc_region *region); /* local mapping */
+NC_API size_t nc_region_size(const nc_region *region);
+NC_API uint64_t nc_region_id(const nc_region *region);
+
+/* ---- jobs ------------------------------------------------------------------ */
+
+enum nc_op {
+	NC_LAYERNORM_FWD = 1,
+	NC_LAYERNORM_BWD = 2,
+	NC_RMSNORM_FWD = 3,
+	NC_RMSNORM_BWD = 4,
+};
+
+enum nc_dtype {
+	NC_F32 = 1,
+	NC_F16 = 2,
+	NC_BF16 = 3,
+};
+
+enum nc_job_flags {
+	NC_MEMORY_EFFICIENT = 1u << 0, /* backward reads y (in .x) instead of x */
+	NC_ACCUMULATE = 1u << 1,       /* dgamma/dbeta += instead of = */
+};
+
+/* A tensor is a byte offset into a registered region; region 0 means absent. */
+struct nc_tensor {
+	uint64_t region;
+	uint64_t offset;
+};
+
+/*
+ * One job. Which tensors an op reads and writes (absent = region 0):
+ *   NC_LAYERNORM_FWD  in: x, gamma?, beta?         out: y, mean?, rstd?
+ *   NC_RMSNORM_FWD    in: x, gamma?                out: y, rstd?
+ *   NC_LAYERNORM_BWD  in: dy, x (y if NC_MEMORY_EFFICIENT), mean (not with
+ *                     NC_MEMORY_EFFICIENT), rstd, gamma?, beta?
+ *                     out: dx, dgamma?, dbeta?
+ *   NC_RMSNORM_BWD    in: dy, x (or y), rstd, gamma?   out: dx, dgamma?
+ * x, y, dy, dx are [rows, cols] of `dtype`; gamma, beta, dgamma, dbeta are
+ * [cols] of `weight_dtype` (0: same as dtype; else NC_F32); mean and rstd
+ * are [rows] of fp32. eps 0 means the default 1e-5.
+ */
+struct nc_job {
+	enum nc_op op;
+	uint64_t rows;
+	uint64_t cols;
+	float eps;
+	enum nc_dtype dtype;
+	enum nc_dtype weight_dtype;
+	unsigned flags;       /* enum nc_job_flags */
+	uint64_t deadline_us; /* 0: none */
+	struct nc_tensor x, y, mean, rstd, gamma, beta, dy, dx, dgamma, dbeta;
+};
+
+/* A tensor at host pointer `ptr` inside `region`'s local mapping. */
+NC_API struct nc_tensor nc_tensor_at(const nc_region *region, const void *ptr);
+
+struct nc_job_result {
+	int status;            /* NC_OK or a negative NC_E* code */
+	uint32_t clamped_cols; /* memory-efficient backward: gamma entries clamped */
+	uint64_t device_us;    /* compute time in the daemon */
+	uint64_t queue_us;     /* wait in the daemon before compute */
+	char variant[64];      /* the kernel variant that ran */
+	char message[256];     /* the daemon's explanation when status != NC_OK */
+};
+
+/*
+ * Sends a job without waiting; *request_id identifies it for nc_job_wait().
+ * Any number of jobs may be in flight (up to the daemon's limit, past which
+ * the job's result is NC_ERESOURCE_EXHAUSTED). Errors: NC_EINVALID_ARGUMENT,
+ * NC_EIO, NC_ENOMEM. Any thread.
+ */
+NC_API int nc_job_submit(nc_conn *conn, const struct nc_job *job, uint64_t *request_id);
+
+/*
+ * Waits at most `timeout_ms` (< 0: no limit) for the reply to `request_id`
+ * and fills *result. Returns the job's status (result->status), or NC_EIO /
+ * NC_ETIMEOUT / NC_ENOT_FOUND (an id that was not submitted or was already
+ * waited for) with result->status set the same. After NC_ETIMEOUT the job
+ * may still complete; wait for it again. Any thread; each id is waited for once.
+ */
+NC_API int nc_job_wait(nc_conn *conn, uint64_t request_id, int timeout_ms,
+		       struct nc_job_result *result);
+
+/* nc_job_submit() then nc_job_wait(). */
+NC_API int nc_job_run(nc_conn *conn, const struct nc_job *job, int timeout_ms,
+		      struct nc_job_result *result);
+
+/* ---- inspection ------------------------------------------------------------ */
+
+struct nc_stats {
+	uint64_t uptime_ms;
+	uint32_t clients;
+	uint64_t clients_total;
+	uint64_t jobs_ok;
+	uint64_t jobs_failed;
+	uint32_t jobs_in_flight;
+	uint32_t regions;
+	uint64_t mapped_bytes;
+	uint64_t rss_bytes;
+	uint64_t bytes_processed;
+	uint64_t errors_by_status[16]; /* indexed by wire status value */
+	char backend[16];
+};
+
+/* Fetches the daemon's counters. Errors: NC_EIO, NC_ETIMEOUT. */
+NC_API int nc_stats_get(nc_conn *conn, int timeout_ms, struct nc_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NORMCLIENT_H */

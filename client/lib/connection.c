@@ -1,0 +1,563 @@
+/*
+ * The connection: connect and Hello, sending frames, and routing replies to
+ * the threads that wait for them.
+ *
+ * Any thread may send (send_lock keeps frames whole). Replies are read by
+ * whichever waiting thread finds nobody else reading: it reads one frame,
+ * files it under its request id, wakes the others and looks again. So no
+ * background thread exists and a connection used by one thread never
+ * context-switches.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "client/lib/internal.h"
+#include "proto/frame.h"
+
+#define NC__READ_CHUNK 16384
+
+static int64_t now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Milliseconds left before `deadline` (-1: none), for poll(). */
+static int ms_left(int64_t deadline)
+{
+	if (deadline < 0)
+		return -1;
+	int64_t left = deadline - now_ms();
+	return left < 0 ? 0 : (int)(left > 1000000000 ? 1000000000 : left);
+}
+
+/* ---- the set of awaited request ids ---------------------------------------------- */
+
+static size_t pending_slot(uint64_t id, size_t cap)
+{
+	return (size_t)(id * 11400714819323198485ull >> 32) & (cap - 1);
+}
+
+static bool pending_contains(const nc_conn *conn, uint64_t id)
+{
+	if (!conn->pending_cap)
+		return false;
+	for (size_t i = pending_slot(id, conn->pending_cap); conn->pending[i];
+	     i = (i + 1) & (conn->pending_cap - 1)) {
+		if (conn->pending[i] == id)
+			return true;
+	}
+	return false;
+}
+
+static void pending_place(uint64_t *slots, size_t cap, uint64_t id)
+{
+	size_t i = pending_slot(id, cap);
+	while (slots[i])
+		i = (i + 1) & (cap - 1);
+	slots[i] = id;
+}
+
+static int pending_add(nc_conn *conn, uint64_t id)
+{
+	if ((conn->pending_count + 1) * 2 > conn->pending_cap) {
+		size_t cap = conn->pending_cap ? conn->pending_cap * 2 : 64;
+		uint64_t *slots = nc__calloc(cap, sizeof(*slots));
+		if (!slots)
+			return NC_ENOMEM;
+		for (size_t i = 0; i < conn->pending_cap; i++) {
+			if (conn->pending[i])
+				pending_place(slots, cap, conn->pending[i]);
+		}
+		nc__free(conn->pending);
+		conn->pending = slots;
+		conn->pending_cap = cap;
+	}
+	pending_place(conn->pending, conn->pending_cap, id);
+	conn->pending_count++;
+	return 0;
+}
+
+static void pending_remove(nc_conn *conn, uint64_t id)
+{
+	if (!conn->pending_cap)
+		return;
+	size_t mask = conn->pending_cap - 1, i = pending_slot(id, conn->pending_cap);
+	while (conn->pending[i] && conn->pending[i] != id)
+		i = (i + 1) & mask;
+	if (!conn->pending[i])
+		return;
+	conn->pending[i] = 0;
+	conn->pending_count--;
+	for (size_t j = (i + 1) & mask; conn->pending[j]; j = (j + 1) & mask) {
+		uint64_t moved = conn->pending[j];
+		conn->pending[j] = 0;
+		pending_place(conn->pending, conn->pending_cap, moved);
+	}
+}
+
+static int request_begin(nc_conn *conn, uint64_t *request_id)
+{
+	pthread_mutex_lock(&conn->lock);
+	uint64_t id = ++conn->next_request_id;
+	int rc = pending_add(conn, id);
+	pthread_mutex_unlock(&conn->lock);
+	if (rc)
+		return nc__fail(rc, "out of memory tracking a request");
+	*request_id = id;
+	return 0;
+}
+
+static void request_abandon(nc_conn *conn, uint64_t request_id)
+{
+	pthread_mutex_lock(&conn->lock);
+	pending_remove(conn, request_id);
+	pthread_mutex_unlock(&conn->lock);
+}
+
+/* ---- sending ------------------------------------------------------------------------ */
+
+static int send_all(int fd, const uint8_t *bytes, size_t len, int pass_fd)
+{
+	size_t sent = 0;
+	while (sent < len) {
+		struct iovec iov = {.iov_base = (void *)(bytes + sent), .iov_len = len - sent};
+		union {
+			char buf[CMSG_SPACE(sizeof(int))];
+			struct cmsghdr align;
+		} control;
+		struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+		if (pass_fd >= 0 && sent == 0) {
+			/* The fd travels with the first bytes of its frame. */
+			msg.msg_control = control.buf;
+			msg.msg_controllen = sizeof(control.buf);
+			struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+			cm->cmsg_level = SOL_SOCKET;
+			cm->cmsg_type = SCM_RIGHTS;
+			cm->cmsg_len = CMSG_LEN(sizeof(int));
+			memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
+		}
+		ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			return nc__fail(NC_EIO, "send to normd failed: %s", strerror(errno));
+		sent += (size_t)n;
+	}
+	return 0;
+}
+
+int nc__send(nc_conn *conn, const Normd__Envelope *env, int fd)
+{
+	uint8_t *frame;
+	size_t len;
+	int rc = nc__frame_pack(env, conn->info.max_frame, &frame, &len);
+	if (rc == NC_EINVALID_ARGUMENT)
+		return nc__fail(rc, "request larger than the daemon's max_frame (%u bytes)",
+				conn->info.max_frame);
+	if (rc)
+		return nc__fail(rc, "out of memory packing a request");
+	pthread_mutex_lock(&conn->send_lock);
+	rc = conn->broken ? nc__fail(conn->broken, "%s", conn->broken_message)
+			  : send_all(conn->fd, frame, len, fd);
+	pthread_mutex_unlock(&conn->send_lock);
+	nc__free(frame);
+	return rc;
+}
+
+/* ---- receiving ---------------------------------------------------------------------- */
+
+/* Reader only: returns one decoded frame, NC_ETIMEOUT, or an error. */
+static int read_frame(nc_conn *conn, int64_t deadline, Normd__Envelope **out)
+{
+	for (;;) {
+		if (conn->in_len >= NC__FRAME_HEADER_BYTES) {
+			uint32_t body = nc__frame_length(conn->in_buf);
+			if (body > NC__DEFAULT_MAX_FRAME * 256u)
+				return nc__fail(NC_EPROTOCOL_ERROR, "daemon sent a %u-byte frame",
+						body);
+			if (conn->in_len >= NC__FRAME_HEADER_BYTES + body) {
+				const char *why = NULL;
+				*out = nc__envelope_unpack(conn->in_buf + NC__FRAME_HEADER_BYTES,
+							   body, &why);
+				size_t used = NC__FRAME_HEADER_BYTES + body;
+				memmove(conn->in_buf, conn->in_buf + used, conn->in_len - used);
+				conn->in_len -= used;
+				if (!*out)
+					return nc__fail(NC_EPROTOCOL_ERROR,
+							"undecodable reply from normd (%s)", why);
+				return 0;
+			}
+			if (conn->in_cap < NC__FRAME_HEADER_BYTES + body) {
+				uint8_t *buf = nc__realloc(conn->in_buf, NC__FRAME_HEADER_BYTES + body);
+				if (!buf)
+					return nc__fail(NC_ENOMEM, "out of memory reading a reply");
+				conn->in_buf = buf;
+				conn->in_cap = NC__FRAME_HEADER_BYTES + body;
+			}
+		}
+		if (conn->in_cap - conn->in_len < NC__READ_CHUNK / 4) {
+			uint8_t *buf = nc__realloc(conn->in_buf, conn->in_cap + NC__READ_CHUNK);
+			if (!buf)
+				return nc__fail(NC_ENOMEM, "out of memory reading a reply");
+			conn->in_buf = buf;
+			conn->in_cap += NC__READ_CHUNK;
+		}
+		struct pollfd pfd = {.fd = conn->fd, .events = POLLIN};
+		int ready = poll(&pfd, 1, ms_left(deadline));
+		if (ready < 0 && errno == EINTR)
+			continue;
+		if (ready == 0)
+			return NC_ETIMEOUT;
+		ssize_t n = recv(conn->fd, conn->in_buf + conn->in_len, conn->in_cap - conn->in_len,
+				 MSG_DONTWAIT);
+		if (n < 0 && (errno == EAGAIN || errno == EINTR))
+			continue;
+		if (n <= 0)
+			return nc__fail(NC_EIO, "connection to normd lost: %s",
+					n == 0 ? "closed by the daemon" : strerror(errno));
+		conn->in_len += (size_t)n;
+	}
+}
+
+/* Files an arrived envelope (lock held). Unsolicited messages may break the connection. */
+static void file_reply(nc_conn *conn, Normd__Envelope *env)
+{
+	uint64_t id = env->has_request_id ? env->request_id : 0;
+	if (id != 0 && pending_contains(conn, id)) {
+		struct nc__reply *r = nc__malloc(sizeof(*r));
+		if (r) {
+			r->env = env;
+			r->next = conn->replies;
+			conn->replies = r;
+			return;
+		}
+		conn->broken = NC_ENOMEM;
+		snprintf(conn->broken_message, sizeof(conn->broken_message),
+			 "out of memory filing a reply");
+	} else if (env->body_case == NORMD__ENVELOPE__BODY_RESULT && id == 0) {
+		/* The daemon refused the connection or closes it for a protocol error. */
+		conn->broken = nc__status_from_wire(env->result->status);
+		snprintf(conn->broken_message, sizeof(conn->broken_message), "normd: %s",
+			 env->result->message ? env->result->message : "connection refused");
+	} else if (env->body_case == NORMD__ENVELOPE__BODY_GO_AWAY) {
+		/* Jobs in flight still complete; new work will be refused. */
+	}
+	nc__envelope_free(env);
+}
+
+static Normd__Envelope *take_reply(nc_conn *conn, uint64_t id)
+{
+	for (struct nc__reply **p = &conn->replies; *p; p = &(*p)->next) {
+		if ((*p)->env->request_id != id)
+			continue;
+		struct nc__reply *r = *p;
+		Normd__Envelope *env = r->env;
+		*p = r->next;
+		nc__free(r);
+		pending_remove(conn, id);
+		return env;
+	}
+	return NULL;
+}
+
+static void deadline_to_timespec(int64_t deadline_ms, struct timespec *ts)
+{
+	/* The condition variable uses CLOCK_MONOTONIC (see nc_connect). */
+	ts->tv_sec = deadline_ms / 1000;
+	ts->tv_nsec = (deadline_ms % 1000) * 1000000;
+}
+
+int nc__await(nc_conn *conn, uint64_t request_id, int timeout_ms, Normd__Envelope **out)
+{
+	int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+	int rc = 0;
+	pthread_mutex_lock(&conn->lock);
+	if (!pending_contains(conn, request_id)) {
+		pthread_mutex_unlock(&conn->lock);
+		return nc__fail(NC_ENOT_FOUND, "request %llu is not awaited on this connection",
+				(unsigned long long)request_id);
+	}
+	for (;;) {
+		if ((*out = take_reply(conn, request_id)))
+			break;
+		if (conn->broken) {
+			rc = nc__fail(conn->broken, "%s", conn->broken_message);
+			break;
+		}
+		if (!conn->reader_active) {
+			conn->reader_active = true;
+			pthread_mutex_unlock(&conn->lock);
+			Normd__Envelope *env = NULL;
+			int read_rc = read_frame(conn, deadline, &env);
+			pthread_mutex_lock(&conn->lock);
+			conn->reader_active = false;
+			pthread_cond_broadcast(&conn->cond);
+			if (read_rc == NC_ETIMEOUT) {
+				rc = nc__fail(NC_ETIMEOUT, "no reply from normd within %d ms",
+					      timeout_ms);
+				break;
+			}
+			if (read_rc) {
+				conn->broken = read_rc;
+				snprintf(conn->broken_message, sizeof(conn->broken_message), "%s",
+					 nc_last_error());
+				continue;
+			}
+			file_reply(conn, env);
+			continue;
+		}
+		if (deadline < 0) {
+			pthread_cond_wait(&conn->cond, &conn->lock);
+		} else {
+			struct timespec ts;
+			deadline_to_timespec(deadline, &ts);
+			if (pthread_cond_timedwait(&conn->cond, &conn->lock, &ts) == ETIMEDOUT &&
+			    !(*out = take_reply(conn, request_id))) {
+				rc = nc__fail(NC_ETIMEOUT, "no reply from normd within %d ms",
+					      timeout_ms);
+				break;
+			}
+			if (*out)
+				break;
+		}
+	}
+	pthread_mutex_unlock(&conn->lock);
+	return rc;
+}
+
+int nc__submit(nc_conn *conn, Normd__Envelope *env, int fd, uint64_t *request_id)
+{
+	uint64_t id = 0;
+	int rc = request_begin(conn, &id);
+	if (rc)
+		return rc;
+	env->has_request_id = true;
+	env->request_id = id;
+	rc = nc__send(conn, env, fd);
+	if (rc) {
+		request_abandon(conn, id);
+		return rc;
+	}
+	*request_id = id;
+	return 0;
+}
+
+int nc__call(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms,
+	     Normd__Envelope **reply)
+{
+	uint64_t id = 0;
+	int rc = nc__submit(conn, env, fd, &id);
+	return rc ? rc : nc__await(conn, id, timeout_ms, reply);
+}
+
+int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms)
+{
+	Normd__Envelope *reply;
+	int rc = nc__call(conn, env, fd, timeout_ms, &reply);
+	if (rc)
+		return rc;
+	if (reply->body_case != NORMD__ENVELOPE__BODY_RESULT) {
+		rc = nc__fail(NC_EPROTOCOL_ERROR, "unexpected reply type %d", (int)reply->body_case);
+	} else {
+		rc = nc__status_from_wire(reply->result->status);
+		if (rc)
+			nc__fail(rc, "%s", reply->result->message ? reply->result->message : "");
+	}
+	nc__envelope_free(reply);
+	return rc;
+}
+
+/* ---- connect and close -------------------------------------------------------------- */
+
+static int connect_socket(const char *path, int *out)
+{
+	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	if (strlen(path) >= sizeof(addr.sun_path))
+		return nc__fail(NC_EINVALID_ARGUMENT, "socket path too long: %s", path);
+	strcpy(addr.sun_path, path);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return nc__fail(NC_EIO, "socket: %s", strerror(errno));
+	if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0) {
+		int err = errno;
+		close(fd);
+		return nc__fail(NC_EIO, "cannot connect to normd at %s: %s", path, strerror(err));
+	}
+	*out = fd;
+	return 0;
+}
+
+static void copy_string(char *dst, size_t len, const char *src)
+{
+	snprintf(dst, len, "%s", src ? src : "");
+}
+
+static void keep_server_info(nc_conn *conn, const Normd__HelloReply *hello)
+{
+	struct nc_server_info *info = &conn->info;
+	copy_string(info->version, sizeof(info->version), hello->server_version);
+	copy_string(info->backend, sizeof(info->backend),
+		    hello->backend == NORMD__BACKEND_KIND__BACKEND_CUDA ? "cuda" : "cpu");
+	info->server_pid = hello->server_pid;
+	info->device_count = (uint32_t)hello->n_devices;
+	if (hello->limits) {
+		info->max_frame = hello->limits->max_frame;
+		info->max_regions = hello->limits->max_regions;
+		info->max_jobs_in_flight = hello->limits->max_jobs_in_flight;
+		info->max_mapped_bytes = hello->limits->max_mapped_bytes;
+	}
+	if (info->max_frame == 0)
+		info->max_frame = NC__DEFAULT_MAX_FRAME;
+}
+
+static int say_hello(nc_conn *conn, const char *client_name, int timeout_ms)
+{
+	Normd__Hello hello = NORMD__HELLO__INIT;
+	hello.protocol_version = NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION;
+	hello.client_name = (char *)(client_name ? client_name : "libnormclient");
+	hello.has_pid = true;
+	hello.pid = (uint32_t)getpid();
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.body_case = NORMD__ENVELOPE__BODY_HELLO;
+	env.hello = &hello;
+	Normd__Envelope *reply;
+	int rc = nc__call(conn, &env, -1, timeout_ms, &reply);
+	if (rc)
+		return rc;
+	if (reply->body_case == NORMD__ENVELOPE__BODY_HELLO_REPLY) {
+		keep_server_info(conn, reply->hello_reply);
+	} else if (reply->body_case == NORMD__ENVELOPE__BODY_RESULT) {
+		rc = nc__status_from_wire(reply->result->status);
+		nc__fail(rc ? rc : NC_EPROTOCOL_ERROR, "normd refused Hello: %s",
+			 reply->result->message ? reply->result->message : "");
+		rc = rc ? rc : NC_EPROTOCOL_ERROR;
+	} else {
+		rc = nc__fail(NC_EPROTOCOL_ERROR, "unexpected reply to Hello");
+	}
+	nc__envelope_free(reply);
+	return rc;
+}
+
+NC_API int nc_connect(const char *socket_path, const char *client_name, int timeout_ms,
+		      nc_conn **out)
+{
+	if (!socket_path || !out)
+		return nc__fail(NC_EINVALID_ARGUMENT, "socket_path and out must not be NULL");
+	nc_conn *conn = nc__calloc(1, sizeof(*conn));
+	if (!conn)
+		return nc__fail(NC_ENOMEM, "out of memory for a connection");
+	conn->fd = -1;
+	conn->info.max_frame = NC__DEFAULT_MAX_FRAME;
+	pthread_condattr_t attr;
+	pthread_condattr_init(&attr);
+	pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+	pthread_mutex_init(&conn->lock, NULL);
+	pthread_mutex_init(&conn->send_lock, NULL);
+	pthread_cond_init(&conn->cond, &attr);
+	pthread_condattr_destroy(&attr);
+	int rc = connect_socket(socket_path, &conn->fd);
+	if (rc == 0)
+		rc = say_hello(conn, client_name, timeout_ms);
+	if (rc) {
+		char saved[256];
+		snprintf(saved, sizeof(saved), "%s", nc_last_error());
+		nc_close(conn);
+		return nc__fail(rc, "%s", saved);
+	}
+	*out = conn;
+	return 0;
+}
+
+NC_API void nc_close(nc_conn *conn)
+{
+	if (!conn)
+		return;
+	if (conn->fd >= 0 && !conn->broken) {
+		Normd__Goodbye bye = NORMD__GOODBYE__INIT;
+		Normd__Envelope env = NORMD__ENVELOPE__INIT;
+		env.body_case = NORMD__ENVELOPE__BODY_GOODBYE;
+		env.goodbye = &bye;
+		nc__send(conn, &env, -1);
+	}
+	if (conn->fd >= 0)
+		close(conn->fd);
+	while (conn->replies) {
+		struct nc__reply *r = conn->replies;
+		conn->replies = r->next;
+		nc__envelope_free(r->env);
+		nc__free(r);
+	}
+	pthread_cond_destroy(&conn->cond);
+	pthread_mutex_destroy(&conn->lock);
+	pthread_mutex_destroy(&conn->send_lock);
+	nc__free(conn->pending);
+	nc__free(conn->in_buf);
+	nc__free(conn);
+}
+
+NC_API const struct nc_server_info *nc_server_info(const nc_conn *conn)
+{
+	return conn ? &conn->info : NULL;
+}
+
+NC_API int nc_ping(nc_conn *conn, int timeout_ms)
+{
+	if (!conn)
+		return nc__fail(NC_EINVALID_ARGUMENT, "conn is NULL");
+	Normd__Ping ping = NORMD__PING__INIT;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.body_case = NORMD__ENVELOPE__BODY_PING;
+	env.ping = &ping;
+	Normd__Envelope *reply;
+	int rc = nc__call(conn, &env, -1, timeout_ms, &reply);
+	if (rc == 0) {
+		if (reply->body_case != NORMD__ENVELOPE__BODY_PONG)
+			rc = nc__fail(NC_EPROTOCOL_ERROR, "unexpected reply to Ping");
+		nc__envelope_free(reply);
+	}
+	return rc;
+}
+
+NC_API int nc_stats_get(nc_conn *conn, int timeout_ms, struct nc_stats *out)
+{
+	if (!conn || !out)
+		return nc__fail(NC_EINVALID_ARGUMENT, "conn and out must not be NULL");
+	Normd__StatsRequest req = NORMD__STATS_REQUEST__INIT;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.body_case = NORMD__ENVELOPE__BODY_STATS;
+	env.stats = &req;
+	Normd__Envelope *reply;
+	int rc = nc__call(conn, &env, -1, timeout_ms, &reply);
+	if (rc)
+		return rc;
+	if (reply->body_case != NORMD__ENVELOPE__BODY_STATS_REPLY) {
+		nc__envelope_free(reply);
+		return nc__fail(NC_EPROTOCOL_ERROR, "unexpected reply to Stats");
+	}
+	const Normd__StatsReply *s = reply->stats_reply;
+	memset(out, 0, sizeof(*out));
+	out->uptime_ms = s->uptime_ms;
+	out->clients = s->clients;
+	out->clients_total = s->clients_total;
+	out->jobs_ok = s->jobs_ok;
+	out->jobs_failed = s->jobs_failed;
+	out->jobs_in_flight = s->jobs_in_flight;
+	out->regions = s->regions;
+	out->mapped_bytes = s->mapped_bytes;
+	out->rss_bytes = s->rss_bytes;
+	out->bytes_processed = s->bytes_processed;
+	for (size_t i = 0; i < s->n_errors_by_status && i < 16; i++)
+		out->errors_by_status[i] = s->errors_by_status[i];
+	copy_string(out->backend, sizeof(out->backend), s->backend);
+	nc__envelope_free(reply);
+	return 0;
+}

@@ -1,0 +1,62 @@
+/*
+ * libnormclient's private interface between its files: the connection
+ * (connection.c), regions (region.c), jobs (job.c) and the error table and
+ * per-thread messages (status.c).
+ */
+#ifndef NORMCLIENT_INTERNAL_H
+#define NORMCLIENT_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "normclient.h"
+#include "normd.pb-c.h"
+
+/* A reply that arrived for a request no thread has claimed yet. */
+struct nc__reply {
+	struct nc__reply *next;
+	Normd__Envelope *env;
+};
+
+struct nc_conn {
+	int fd;
+	pthread_mutex_t send_lock;   /* one frame at a time on the socket */
+	pthread_mutex_t lock;        /* everything below */
+	pthread_cond_t cond;         /* a reply arrived, or the reader left */
+	bool reader_active;          /* a waiting thread is reading the socket */
+	int broken;                  /* 0, or why the connection is unusable */
+	char broken_message[256];
+	struct nc__reply *replies;   /* unclaimed, newest first */
+	uint64_t *pending;           /* open-addressing set of submitted, unwaited ids */
+	size_t pending_cap, pending_count;
+	uint64_t next_request_id;
+	uint64_t next_region_id;
+	uint8_t *in_buf;             /* only the active reader touches these */
+	size_t in_len, in_cap;
+	struct nc_server_info info;
+};
+
+/* Records the calling thread's error message and returns `status`. */
+int nc__fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Sends one envelope (with an fd to pass, or -1). Any thread. */
+int nc__send(nc_conn *conn, const Normd__Envelope *env, int fd);
+
+/* Sends `env` under a fresh request id that is then awaited. Any thread. */
+int nc__submit(nc_conn *conn, Normd__Envelope *env, int fd, uint64_t *request_id);
+
+/*
+ * Waits for the reply to `request_id`; *out owns it (free with
+ * nc__envelope_free). timeout_ms < 0: no limit.
+ */
+int nc__await(nc_conn *conn, uint64_t request_id, int timeout_ms, Normd__Envelope **out);
+
+/* Sends `env` (a fresh request id is set) and waits for its reply. */
+int nc__call(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms,
+	     Normd__Envelope **reply);
+
+/* Sends `env` and waits for a Result; returns its status (message recorded). */
+int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms);
+
+#endif /* NORMCLIENT_INTERNAL_H */

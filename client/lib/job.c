@@ -1,0 +1,131 @@
+/*
+ * Jobs: turning struct nc_job into a Job message, submitting it, and turning
+ * the JobReply back into struct nc_job_result.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "client/lib/internal.h"
+#include "proto/frame.h"
+
+/* Keeps the Tensor messages of one job on the caller's stack. */
+struct job_tensors {
+	Normd__Tensor t[10];
+};
+
+static Normd__Tensor *tensor_msg(Normd__Tensor *slot, struct nc_tensor t)
+{
+	if (t.region == 0)
+		return NULL;
+	normd__tensor__init(slot);
+	slot->region_id = t.region;
+	slot->has_offset = true;
+	slot->offset = t.offset;
+	return slot;
+}
+
+static void job_to_msg(const struct nc_job *job, Normd__Job *msg, struct job_tensors *ts)
+{
+	normd__job__init(msg);
+	msg->op = (Normd__Op)job->op;
+	msg->rows = job->rows;
+	msg->cols = job->cols;
+	msg->has_eps = true;
+	msg->eps = job->eps == 0.0f ? 1e-5f : job->eps;
+	msg->dtype = (Normd__DType)job->dtype;
+	if (job->weight_dtype) {
+		msg->has_weight_dtype = true;
+		msg->weight_dtype = (Normd__DType)job->weight_dtype;
+	}
+	msg->has_memory_efficient = msg->has_accumulate = true;
+	msg->memory_efficient = (job->flags & NC_MEMORY_EFFICIENT) != 0;
+	msg->accumulate = (job->flags & NC_ACCUMULATE) != 0;
+	if (job->deadline_us) {
+		msg->has_deadline_us = true;
+		msg->deadline_us = job->deadline_us;
+	}
+	msg->x = tensor_msg(&ts->t[0], job->x);
+	msg->y = tensor_msg(&ts->t[1], job->y);
+	msg->mean = tensor_msg(&ts->t[2], job->mean);
+	msg->rstd = tensor_msg(&ts->t[3], job->rstd);
+	msg->gamma = tensor_msg(&ts->t[4], job->gamma);
+	msg->beta = tensor_msg(&ts->t[5], job->beta);
+	msg->dy = tensor_msg(&ts->t[6], job->dy);
+	msg->dx = tensor_msg(&ts->t[7], job->dx);
+	msg->dgamma = tensor_msg(&ts->t[8], job->dgamma);
+	msg->dbeta = tensor_msg(&ts->t[9], job->dbeta);
+}
+
+NC_API int nc_job_submit(nc_conn *conn, const struct nc_job *job, uint64_t *request_id)
+{
+	if (!conn || !job || !request_id)
+		return nc__fail(NC_EINVALID_ARGUMENT, "conn, job and request_id must not be NULL");
+	Normd__Job msg;
+	struct job_tensors ts;
+	job_to_msg(job, &msg, &ts);
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.body_case = NORMD__ENVELOPE__BODY_JOB;
+	env.job = &msg;
+	return nc__submit(conn, &env, -1, request_id);
+}
+
+static int result_fail(struct nc_job_result *result, int status)
+{
+	memset(result, 0, sizeof(*result));
+	result->status = status;
+	snprintf(result->message, sizeof(result->message), "%s", nc_last_error());
+	return status;
+}
+
+NC_API int nc_job_wait(nc_conn *conn, uint64_t request_id, int timeout_ms,
+		       struct nc_job_result *result)
+{
+	struct nc_job_result ignored;
+	if (!result)
+		result = &ignored;
+	if (!conn)
+		return result_fail(result, nc__fail(NC_EINVALID_ARGUMENT, "conn is NULL"));
+	Normd__Envelope *reply;
+	int rc = nc__await(conn, request_id, timeout_ms, &reply);
+	if (rc)
+		return result_fail(result, rc);
+	memset(result, 0, sizeof(*result));
+	const char *message = NULL;
+	if (reply->body_case == NORMD__ENVELOPE__BODY_JOB_REPLY) {
+		const Normd__JobReply *r = reply->job_reply;
+		result->status = nc__status_from_wire(r->status);
+		result->clamped_cols = r->clamped_cols;
+		result->device_us = r->device_us;
+		result->queue_us = r->queue_us;
+		snprintf(result->variant, sizeof(result->variant), "%s",
+			 r->variant ? r->variant : "");
+		message = r->message;
+	} else if (reply->body_case == NORMD__ENVELOPE__BODY_RESULT) {
+		/* Refused before it became a job (limits, shutdown). */
+		result->status = nc__status_from_wire(reply->result->status);
+		if (result->status == NC_OK)
+			result->status = NC_EPROTOCOL_ERROR;
+		message = reply->result->message;
+	} else {
+		result->status = NC_EPROTOCOL_ERROR;
+		message = "unexpected reply to a job";
+	}
+	snprintf(result->message, sizeof(result->message), "%s", message ? message : "");
+	if (result->status)
+		nc__fail(result->status, "%s", result->message);
+	nc__envelope_free(reply);
+	return result->status;
+}
+
+NC_API int nc_job_run(nc_conn *conn, const struct nc_job *job, int timeout_ms,
+		      struct nc_job_result *result)
+{
+	uint64_t id;
+	int rc = nc_job_submit(conn, job, &id);
+	if (rc) {
+		struct nc_job_result ignored;
+		return result_fail(result ? result : &ignored, rc);
+	}
+	return nc_job_wait(conn, id, timeout_ms, result);
+}

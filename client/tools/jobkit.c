@@ -1,0 +1,389 @@
+/*
+ * jobkit: a job, its buffers and its reference check (see jobkit.h).
+ */
+#include "client/tools/jobkit.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/norm_kernels.h"
+
+#define JK_ROLES 10
+#define JK_ALIGN 64
+
+static const char *const role_names[JK_ROLES] = {
+	"x", "y", "mean", "rstd", "gamma", "beta", "dy", "dx", "dgamma", "dbeta",
+};
+
+const char *jobkit_role_name(int role)
+{
+	return role >= 0 && role < JK_ROLES ? role_names[role] : "?";
+}
+
+const char *jobkit_op_name(enum nc_op op)
+{
+	switch (op) {
+	case NC_LAYERNORM_FWD:
+		return "layernorm_fwd";
+	case NC_LAYERNORM_BWD:
+		return "layernorm_bwd";
+	case NC_RMSNORM_FWD:
+		return "rmsnorm_fwd";
+	case NC_RMSNORM_BWD:
+		return "rmsnorm_bwd";
+	}
+	return "?";
+}
+
+const char *jobkit_dtype_name(enum nc_dtype dtype)
+{
+	return dtype == NC_F32 ? "f32" : dtype == NC_F16 ? "f16" : dtype == NC_BF16 ? "bf16" : "?";
+}
+
+static enum nk_dtype nk_dtype_of(enum nc_dtype dtype)
+{
+	return dtype == NC_F16 ? NK_F16 : dtype == NC_BF16 ? NK_BF16 : NK_F32;
+}
+
+static enum nk_op nk_op_of(enum nc_op op)
+{
+	switch (op) {
+	case NC_LAYERNORM_BWD:
+		return NK_LAYERNORM_BWD;
+	case NC_RMSNORM_FWD:
+		return NK_RMSNORM_FWD;
+	case NC_RMSNORM_BWD:
+		return NK_RMSNORM_BWD;
+	default:
+		return NK_LAYERNORM_FWD;
+	}
+}
+
+/* splitmix64: small, seedable, good enough for test data. */
+static uint64_t next_random(uint64_t *state)
+{
+	uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+/* Uniform in [lo, hi). */
+static double uniform(uint64_t *state, double lo, double hi)
+{
+	return lo + (hi - lo) * (double)(next_random(state) >> 11) * 0x1.0p-53;
+}
+
+static bool op_is_backward(enum nc_op op)
+{
+	return op == NC_LAYERNORM_BWD || op == NC_RMSNORM_BWD;
+}
+
+static bool op_is_layernorm(enum nc_op op)
+{
+	return op == NC_LAYERNORM_FWD || op == NC_LAYERNORM_BWD;
+}
+
+/* Which roles the spec's job uses. */
+static void jobkit_roles(const struct jobkit_spec *s, bool used[JK_ROLES])
+{
+	bool bwd = op_is_backward(s->op), ln = op_is_layernorm(s->op);
+	memset(used, 0, JK_ROLES * sizeof(bool));
+	used[JK_X] = used[JK_RSTD] = true;
+	used[JK_GAMMA] = s->gamma;
+	used[JK_BETA] = ln && s->gamma && s->beta;
+	used[JK_MEAN] = ln && !(bwd && s->memory_efficient);
+	used[JK_Y] = !bwd;
+	used[JK_DY] = used[JK_DX] = bwd;
+	used[JK_DGAMMA] = bwd && s->gamma;
+	used[JK_DBETA] = bwd && ln && s->gamma && s->beta;
+}
+
+static size_t role_bytes(const struct jobkit_spec *s, int role)
+{
+	enum nc_dtype w = s->weight_dtype ? s->weight_dtype : s->dtype;
+	size_t esize = nk_dtype_size(nk_dtype_of(s->dtype)), wsize = nk_dtype_size(nk_dtype_of(w));
+	switch (role) {
+	case JK_MEAN:
+	case JK_RSTD:
+		return s->rows * sizeof(float);
+	case JK_GAMMA:
+	case JK_BETA:
+	case JK_DGAMMA:
+	case JK_DBETA:
+		return s->cols * wsize;
+	default:
+		return s->rows * s->cols * esize;
+	}
+}
+
+static enum nk_dtype role_dtype(const struct jobkit_spec *s, int role)
+{
+	enum nc_dtype w = s->weight_dtype ? s->weight_dtype : s->dtype;
+	if (role == JK_MEAN || role == JK_RSTD)
+		return NK_F32;
+	if (role == JK_GAMMA || role == JK_BETA || role == JK_DGAMMA || role == JK_DBETA)
+		return nk_dtype_of(w);
+	return nk_dtype_of(s->dtype);
+}
+
+static void fill_random(void *buf, enum nk_dtype dtype, size_t n, uint64_t *state, double lo,
+			double hi, bool random_sign)
+{
+	for (size_t i = 0; i < n; i++) {
+		double v = uniform(state, lo, hi);
+		if (random_sign && (next_random(state) & 1))
+			v = -v;
+		nk_store(dtype, buf, i, v);
+	}
+}
+
+/* Arguments for the op over the given tensor pointers. */
+static void jobkit_args(const struct jobkit *kit, void *const ptr[JK_ROLES],
+			struct nk_norm_args *a)
+{
+	const struct jobkit_spec *s = &kit->spec;
+	memset(a, 0, sizeof(*a));
+	a->op = nk_op_of(s->op);
+	a->rows = (int64_t)s->rows;
+	a->cols = (int64_t)s->cols;
+	a->eps = kit->job.eps;
+	a->dtype = nk_dtype_of(s->dtype);
+	a->weight_dtype = role_dtype(s, JK_GAMMA);
+	a->flags = (s->memory_efficient ? NK_MEMORY_EFFICIENT : 0u) |
+		   (s->accumulate ? NK_ACCUMULATE : 0u);
+	a->x = ptr[JK_X];
+	a->y = ptr[JK_Y];
+	a->mean = ptr[JK_MEAN];
+	a->rstd = ptr[JK_RSTD];
+	a->gamma = ptr[JK_GAMMA];
+	a->beta = ptr[JK_BETA];
+	a->dy = ptr[JK_DY];
+	a->dx = ptr[JK_DX];
+	a->dgamma = ptr[JK_DGAMMA];
+	a->dbeta = ptr[JK_DBETA];
+}
+
+/*
+ * Backward inputs must be what a forward produced: run the reference forward
+ * on x to get mean and rstd, and y for the memory-efficient backward.
+ */
+static int jobkit_forward_inputs(struct jobkit *kit)
+{
+	const struct jobkit_spec *s = &kit->spec;
+	size_t ybytes = role_bytes(s, JK_X);
+	void *y = malloc(ybytes);
+	float *mean = malloc(s->rows * sizeof(float)), *rstd = malloc(s->rows * sizeof(float));
+	int rc = (y && mean && rstd) ? 0 : NC_ENOMEM;
+	if (rc == 0) {
+		struct nk_norm_args a;
+		void *ptr[JK_ROLES] = {0};
+		memcpy(ptr, kit->ptr, sizeof(ptr));
+		ptr[JK_Y] = y;
+		ptr[JK_MEAN] = op_is_layernorm(s->op) ? mean : NULL;
+		ptr[JK_RSTD] = rstd;
+		ptr[JK_DY] = ptr[JK_DX] = ptr[JK_DGAMMA] = ptr[JK_DBETA] = NULL;
+		jobkit_args(kit, ptr, &a);
+		a.op = op_is_layernorm(s->op) ? NK_LAYERNORM_FWD : NK_RMSNORM_FWD;
+		a.flags = 0;
+		struct nk_cpu_opts opts = {.precision = NK_CPU_REFERENCE, .threads = 2};
+		struct nk_norm_result res;
+		rc = nk_cpu_norm(&a, &opts, &res) == NK_OK ? 0 : NC_EINTERNAL;
+	}
+	if (rc == 0) {
+		if (s->memory_efficient)
+			memcpy(kit->ptr[JK_X], y, ybytes);
+		if (kit->ptr[JK_MEAN])
+			memcpy(kit->ptr[JK_MEAN], mean, s->rows * sizeof(float));
+		memcpy(kit->ptr[JK_RSTD], rstd, s->rows * sizeof(float));
+	}
+	free(y);
+	free(mean);
+	free(rstd);
+	return rc;
+}
+
+static void jobkit_fill(struct jobkit *kit, const bool used[JK_ROLES])
+{
+	const struct jobkit_spec *s = &kit->spec;
+	uint64_t state = s->seed ? s->seed : 1;
+	/* x with a non-zero mean so LayerNorm's centring matters. */
+	fill_random(kit->ptr[JK_X], role_dtype(s, JK_X), s->rows * s->cols, &state, -1.5, 2.5,
+		    false);
+	if (used[JK_GAMMA])
+		fill_random(kit->ptr[JK_GAMMA], role_dtype(s, JK_GAMMA), s->cols, &state, 0.5, 1.5,
+			    true);
+	if (used[JK_BETA])
+		fill_random(kit->ptr[JK_BETA], role_dtype(s, JK_BETA), s->cols, &state, -0.5, 0.5,
+			    false);
+	if (used[JK_DY])
+		fill_random(kit->ptr[JK_DY], role_dtype(s, JK_DY), s->rows * s->cols, &state, -1.0,
+			    1.0, false);
+	/* Outputs: poison (all-ones bytes are NaN in every float type). */
+	for (int role = 0; role < JK_ROLES; role++) {
+		bool output = role == JK_DX || role == JK_DGAMMA || role == JK_DBETA ||
+			      (!op_is_backward(s->op) &&
+			       (role == JK_Y || role == JK_MEAN || role == JK_RSTD));
+		if (used[role] && output)
+			memset(kit->ptr[role], 0xff, kit->bytes[role]);
+	}
+	/* Accumulate: start dgamma/dbeta from random values and remember them. */
+	for (int role = JK_DGAMMA; s->accumulate && role <= JK_DBETA; role++) {
+		if (!used[role])
+			continue;
+		fill_random(kit->ptr[role], role_dtype(s, role), s->cols, &state, -1.0, 1.0, false);
+		kit->initial[role] = malloc(kit->bytes[role]);
+		if (kit->initial[role])
+			memcpy(kit->initial[role], kit->ptr[role], kit->bytes[role]);
+	}
+}
+
+static struct nc_tensor *job_tensor(struct nc_job *job, int role)
+{
+	struct nc_tensor *const tensors[JK_ROLES] = {
+		&job->x, &job->y, &job->mean, &job->rstd, &job->gamma,
+		&job->beta, &job->dy, &job->dx, &job->dgamma, &job->dbeta,
+	};
+	return tensors[role];
+}
+
+int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *kit)
+{
+	bool used[JK_ROLES];
+	size_t offsets[JK_ROLES] = {0}, total = 0;
+	memset(kit, 0, sizeof(*kit));
+	kit->spec = *spec;
+	jobkit_roles(spec, used);
+	for (int role = 0; role < JK_ROLES; role++) {
+		if (!used[role])
+			continue;
+		kit->bytes[role] = role_bytes(spec, role);
+		offsets[role] = total;
+		total += (kit->bytes[role] + JK_ALIGN - 1) / JK_ALIGN * JK_ALIGN;
+	}
+	int rc = nc_region_alloc_host(conn, total, &kit->region);
+	if (rc)
+		return rc;
+	struct nc_job *job = &kit->job;
+	job->op = spec->op;
+	job->rows = spec->rows;
+	job->cols = spec->cols;
+	job->eps = spec->eps != 0.0f ? spec->eps : 1e-5f;
+	job->dtype = spec->dtype;
+	job->weight_dtype = spec->weight_dtype;
+	job->flags = (spec->memory_efficient ? NC_MEMORY_EFFICIENT : 0u) |
+		     (spec->accumulate ? NC_ACCUMULATE : 0u);
+	char *base = nc_region_data(kit->region);
+	for (int role = 0; role < JK_ROLES; role++) {
+		if (!used[role])
+			continue;
+		kit->ptr[role] = base + offsets[role];
+		*job_tensor(job, role) = nc_tensor_at(kit->region, kit->ptr[role]);
+	}
+	jobkit_fill(kit, used);
+	if (op_is_backward(spec->op) && jobkit_forward_inputs(kit) != 0) {
+		jobkit_destroy(kit);
+		return NC_ENOMEM;
+	}
+	return 0;
+}
+
+void jobkit_destroy(struct jobkit *kit)
+{
+	if (kit->region)
+		nc_region_free(kit->region);
+	for (int role = 0; role < JK_ROLES; role++)
+		free(kit->initial[role]);
+	memset(kit, 0, sizeof(*kit));
+}
+
+/* ---- checking ------------------------------------------------------------------ */
+
+static bool is_output(const struct jobkit_spec *s, int role)
+{
+	if (op_is_backward(s->op))
+		return role == JK_DX || role == JK_DGAMMA || role == JK_DBETA;
+	return role == JK_Y || role == JK_MEAN || role == JK_RSTD;
+}
+
+/* Compares one output; updates the report. */
+static void compare_output(const struct jobkit *kit, int role, const void *ref,
+			   struct jobkit_report *report)
+{
+	enum nk_dtype dtype = role_dtype(&kit->spec, role);
+	size_t n = kit->bytes[role] / nk_dtype_size(dtype);
+	double tolerance = dtype == NK_F32 ? 1e-5 : 1e-2;
+	double max_abs = 0, max_ref = 0, err2 = 0, ref2 = 0;
+	for (size_t i = 0; i < n; i++) {
+		double out = nk_load(dtype, kit->ptr[role], i), want = nk_load(dtype, ref, i);
+		if (isnan(out) != isnan(want)) {
+			if (report->ok)
+				snprintf(report->detail, sizeof(report->detail),
+					 "%s[%zu] = %g, reference %g (unwritten or NaN)",
+					 role_names[role], i, out, want);
+			report->ok = false;
+			report->max_abs_err = INFINITY;
+			return;
+		}
+		if (isnan(out))
+			continue;
+		double d = fabs(out - want);
+		max_abs = d > max_abs ? d : max_abs;
+		max_ref = fabs(want) > max_ref ? fabs(want) : max_ref;
+		err2 += d * d;
+		ref2 += want * want;
+	}
+	double rel_l2 = ref2 > 0 ? sqrt(err2 / ref2) : sqrt(err2);
+	double rel_max = max_ref > 0 ? max_abs / max_ref : max_abs;
+	report->max_abs_err = fmax(report->max_abs_err, max_abs);
+	report->max_rel_err = fmax(report->max_rel_err, rel_max);
+	report->rel_l2_err = fmax(report->rel_l2_err, rel_l2);
+	report->tolerance = fmax(report->tolerance, tolerance);
+	if (!(rel_l2 < tolerance) && report->ok) {
+		snprintf(report->detail, sizeof(report->detail),
+			 "%s: relative L2 error %.3g over tolerance %.0e", role_names[role], rel_l2,
+			 tolerance);
+		report->ok = false;
+	}
+}
+
+bool jobkit_check(const struct jobkit *kit, struct jobkit_report *report)
+{
+	void *ref[JK_ROLES] = {0}, *ptr[JK_ROLES];
+	memset(report, 0, sizeof(*report));
+	report->ok = true;
+	memcpy(ptr, kit->ptr, sizeof(ptr));
+	for (int role = 0; role < JK_ROLES; role++) {
+		if (!kit->ptr[role] || !is_output(&kit->spec, role))
+			continue;
+		ref[role] = malloc(kit->bytes[role]);
+		if (!ref[role]) {
+			report->ok = false;
+			snprintf(report->detail, sizeof(report->detail), "out of memory");
+			goto out_free;
+		}
+		memset(ref[role], 0xff, kit->bytes[role]);
+		if (kit->initial[role])
+			memcpy(ref[role], kit->initial[role], kit->bytes[role]);
+		ptr[role] = ref[role];
+	}
+	struct nk_norm_args a;
+	jobkit_args(kit, ptr, &a);
+	struct nk_cpu_opts opts = {.precision = NK_CPU_REFERENCE, .threads = 2};
+	struct nk_norm_result res;
+	if (nk_cpu_norm(&a, &opts, &res) != NK_OK) {
+		report->ok = false;
+		snprintf(report->detail, sizeof(report->detail), "the reference refused the job");
+		goto out_free;
+	}
+	for (int role = 0; role < JK_ROLES; role++) {
+		if (ref[role])
+			compare_output(kit, role, ref[role], report);
+	}
+out_free:
+	for (int role = 0; role < JK_ROLES; role++)
+		free(ref[role]);
+	return report->ok;
+}

@@ -1,0 +1,68 @@
+/*
+ * jobkit: one normalization job with its buffers and its check against the
+ * float64 reference, shared by normctl demo, normstress and the tests.
+ *
+ * jobkit_create() allocates one host region on a connection, lays out every
+ * tensor the op uses in it (16-byte aligned), fills the inputs with seeded
+ * random data (never zeros), makes backward inputs consistent (mean, rstd and
+ * y come from a reference forward of x), poisons the outputs, and fills in
+ * the struct nc_job. After the daemon ran the job, jobkit_check() recomputes
+ * it with the CPU reference (fp64 compute) and compares every output.
+ * Uses only the public client API plus the CPU kernels.
+ */
+#ifndef NORMD_JOBKIT_H
+#define NORMD_JOBKIT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "normclient.h"
+
+struct jobkit_spec {
+	enum nc_op op;
+	uint64_t rows, cols;
+	enum nc_dtype dtype;
+	enum nc_dtype weight_dtype; /* 0: same as dtype */
+	bool gamma, beta;           /* affine parameters present */
+	bool memory_efficient;
+	bool accumulate;
+	float eps;                  /* 0: 1e-5 */
+	uint64_t seed;
+};
+
+struct jobkit {
+	struct jobkit_spec spec;
+	nc_region *region;
+	struct nc_job job;          /* ready to submit */
+	size_t bytes[10];           /* bytes of each tensor, by role (0: absent) */
+	void *ptr[10];              /* each tensor in the region, by role */
+	void *initial[10];          /* accumulate: dgamma/dbeta before the run */
+};
+
+/* Tensor roles, the order of ptr[] and bytes[]. */
+enum jobkit_role { JK_X, JK_Y, JK_MEAN, JK_RSTD, JK_GAMMA, JK_BETA, JK_DY, JK_DX, JK_DGAMMA,
+		   JK_DBETA };
+
+struct jobkit_report {
+	double max_abs_err;  /* largest |out - ref| over all outputs */
+	double max_rel_err;  /* largest max|out - ref| / max|ref| of one output */
+	double rel_l2_err;   /* largest ||out - ref|| / ||ref|| of one output */
+	double tolerance;    /* what rel_l2_err had to stay under */
+	bool ok;             /* every output written and within tolerance */
+	char detail[160];    /* which output failed and why */
+};
+
+const char *jobkit_role_name(int role);
+const char *jobkit_op_name(enum nc_op op);
+const char *jobkit_dtype_name(enum nc_dtype dtype);
+
+/* Returns 0 or a negative NC_E* code (message in nc_last_error()). */
+int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *kit);
+
+/* Checks the outputs against the reference; returns report->ok. */
+bool jobkit_check(const struct jobkit *kit, struct jobkit_report *report);
+
+/* Frees the region (unregisters it) and the kit's copies. Accepts a zeroed kit. */
+void jobkit_destroy(struct jobkit *kit);
+
+#endif /* NORMD_JOBKIT_H */

@@ -1,0 +1,208 @@
+/*
+ * normctl: look at and exercise a running normd through libnormclient.
+ *
+ *   normctl [--socket PATH] ping
+ *   normctl [--socket PATH] stats [--json]
+ *   normctl [--socket PATH] demo [--rows N] [--cols N]
+ *
+ * `demo` runs LayerNorm and RMSNorm forward and backward (memory_efficient
+ * off and on) in several dtypes through the daemon on random data, checks
+ * each result against the float64 reference and prints one line per job.
+ * It exits non-zero if any job fails or misses its tolerance.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "client/tools/jobkit.h"
+#include "normclient.h"
+
+#define DEFAULT_SOCKET "/run/normd/normd.sock"
+#define TIMEOUT_MS 60000
+
+static double now_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+static int cmd_ping(nc_conn *conn)
+{
+	double t0 = now_us();
+	int rc = nc_ping(conn, TIMEOUT_MS);
+	if (rc) {
+		fprintf(stderr, "normctl: ping: %s: %s\n", nc_strerror(rc), nc_last_error());
+		return 1;
+	}
+	const struct nc_server_info *info = nc_server_info(conn);
+	printf("pong from normd %s (backend %s, pid %u) in %.0f us\n", info->version, info->backend,
+	       info->server_pid, now_us() - t0);
+	return 0;
+}
+
+/* Wire status values run from OK (0) to INTERNAL (10). */
+#define STATUS_COUNT 11
+
+static void print_stats_json(const struct nc_stats *s)
+{
+	printf("{\"backend\":\"%s\",\"uptime_ms\":%llu,\"clients\":%u,\"clients_total\":%llu,"
+	       "\"jobs_ok\":%llu,\"jobs_failed\":%llu,\"jobs_in_flight\":%u,\"regions\":%u,"
+	       "\"mapped_bytes\":%llu,\"rss_bytes\":%llu,\"bytes_processed\":%llu,"
+	       "\"replies_by_status\":{",
+	       s->backend, (unsigned long long)s->uptime_ms, s->clients,
+	       (unsigned long long)s->clients_total, (unsigned long long)s->jobs_ok,
+	       (unsigned long long)s->jobs_failed, s->jobs_in_flight, s->regions,
+	       (unsigned long long)s->mapped_bytes, (unsigned long long)s->rss_bytes,
+	       (unsigned long long)s->bytes_processed);
+	for (size_t i = 0; i < STATUS_COUNT; i++)
+		printf("%s\"%s\":%llu", i ? "," : "", nc_status_name(-(int)i),
+		       (unsigned long long)s->errors_by_status[i]);
+	printf("}}\n");
+}
+
+static int cmd_stats(nc_conn *conn, bool json)
+{
+	struct nc_stats s;
+	int rc = nc_stats_get(conn, TIMEOUT_MS, &s);
+	if (rc) {
+		fprintf(stderr, "normctl: stats: %s: %s\n", nc_strerror(rc), nc_last_error());
+		return 1;
+	}
+	if (json) {
+		print_stats_json(&s);
+		return 0;
+	}
+	printf("backend          %s\nuptime           %.1f s\nclients          %u (%llu total)\n"
+	       "jobs             %llu ok, %llu failed, %u in flight\n"
+	       "regions          %u (%llu bytes mapped)\nbytes processed  %llu\n"
+	       "daemon rss       %llu bytes\nreplies by status",
+	       s.backend, (double)s.uptime_ms / 1e3, s.clients, (unsigned long long)s.clients_total,
+	       (unsigned long long)s.jobs_ok, (unsigned long long)s.jobs_failed, s.jobs_in_flight,
+	       s.regions, (unsigned long long)s.mapped_bytes, (unsigned long long)s.bytes_processed,
+	       (unsigned long long)s.rss_bytes);
+	for (size_t i = 0; i < STATUS_COUNT; i++) {
+		if (s.errors_by_status[i])
+			printf(" %s=%llu", nc_status_name(-(int)i), (unsigned long long)s.errors_by_status[i]);
+	}
+	printf("\n");
+	return 0;
+}
+
+/* One demo job; returns true if it ran and matched the reference. */
+static bool demo_one(nc_conn *conn, const struct jobkit_spec *spec)
+{
+	struct jobkit kit;
+	struct nc_job_result result;
+	struct jobkit_report report = {0};
+	char label[96];
+	snprintf(label, sizeof(label), "%s%s", jobkit_op_name(spec->op),
+		 spec->memory_efficient ? "+mem_eff" : "");
+	char dtypes[16];
+	snprintf(dtypes, sizeof(dtypes), "%s/%s", jobkit_dtype_name(spec->dtype),
+		 jobkit_dtype_name(spec->weight_dtype ? spec->weight_dtype : spec->dtype));
+	int rc = jobkit_create(conn, spec, &kit);
+	if (rc) {
+		printf("%-22s %6llux%-6llu %-9s FAILED to set up: %s\n", label,
+		       (unsigned long long)spec->rows, (unsigned long long)spec->cols, dtypes,
+		       nc_last_error());
+		return false;
+	}
+	double t0 = now_us();
+	rc = nc_job_run(conn, &kit.job, TIMEOUT_MS, &result);
+	double latency = now_us() - t0;
+	bool ok = rc == NC_OK && jobkit_check(&kit, &report);
+	printf("%-22s %6llux%-6llu %-9s %10.3g %10.3g %10.3g %9.0f  %-7s %s\n", label,
+	       (unsigned long long)spec->rows, (unsigned long long)spec->cols, dtypes,
+	       report.max_abs_err, report.max_rel_err, report.rel_l2_err, latency,
+	       ok ? "ok" : "FAILED",
+	       rc ? result.message : (ok ? result.variant : report.detail));
+	jobkit_destroy(&kit);
+	return ok;
+}
+
+static int cmd_demo(nc_conn *conn, uint64_t rows, uint64_t cols)
+{
+	static const enum nc_op ops[] = {NC_LAYERNORM_FWD, NC_RMSNORM_FWD, NC_LAYERNORM_BWD,
+					 NC_RMSNORM_BWD};
+	static const struct {
+		enum nc_dtype dtype, weight;
+	} types[] = {{NC_F32, 0}, {NC_BF16, 0}, {NC_F16, 0}, {NC_BF16, NC_F32}};
+	int failed = 0, total = 0;
+	printf("normd demo on the %s backend; errors against the float64 reference\n"
+	       "(rel = max|out-ref| / max|ref| per output; L2 = ||out-ref|| / ||ref||)\n\n",
+	       nc_server_info(conn)->backend);
+	printf("%-22s %13s %-9s %10s %10s %10s %9s  %-7s %s\n", "job", "shape", "dtype",
+	       "max_abs", "max_rel", "rel_L2", "lat_us", "result", "variant");
+	for (size_t t = 0; t < sizeof(types) / sizeof(types[0]); t++) {
+		for (size_t o = 0; o < sizeof(ops) / sizeof(ops[0]); o++) {
+			bool bwd = ops[o] == NC_LAYERNORM_BWD || ops[o] == NC_RMSNORM_BWD;
+			for (int mem_eff = 0; mem_eff <= (bwd ? 1 : 0); mem_eff++) {
+				struct jobkit_spec spec = {
+					.op = ops[o], .rows = rows, .cols = cols,
+					.dtype = types[t].dtype, .weight_dtype = types[t].weight,
+					.gamma = true, .beta = true, .memory_efficient = mem_eff,
+					.seed = 1000 + (uint64_t)total,
+				};
+				failed += !demo_one(conn, &spec);
+				total++;
+			}
+		}
+	}
+	printf("\n%d passed, %d failed\n", total - failed, failed);
+	return failed ? 1 : 0;
+}
+
+static void usage(void)
+{
+	fprintf(stderr, "usage: normctl [--socket PATH] ping | stats [--json] | "
+			"demo [--rows N] [--cols N]\n");
+}
+
+int main(int argc, char **argv)
+{
+	const char *socket_path = getenv("NORMD_SOCKET") ? getenv("NORMD_SOCKET") : DEFAULT_SOCKET;
+	const char *command = NULL;
+	bool json = false;
+	uint64_t rows = 256, cols = 1024;
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--socket") && i + 1 < argc)
+			socket_path = argv[++i];
+		else if (!strcmp(argv[i], "--json"))
+			json = true;
+		else if (!strcmp(argv[i], "--rows") && i + 1 < argc)
+			rows = strtoull(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "--cols") && i + 1 < argc)
+			cols = strtoull(argv[++i], NULL, 10);
+		else if (!command && argv[i][0] != '-')
+			command = argv[i];
+		else {
+			usage();
+			return 2;
+		}
+	}
+	if (!command || rows == 0 || cols == 0) {
+		usage();
+		return 2;
+	}
+	nc_conn *conn;
+	int rc = nc_connect(socket_path, "normctl", 10000, &conn);
+	if (rc) {
+		fprintf(stderr, "normctl: %s\n", nc_last_error());
+		return 1;
+	}
+	int status;
+	if (!strcmp(command, "ping"))
+		status = cmd_ping(conn);
+	else if (!strcmp(command, "stats"))
+		status = cmd_stats(conn, json);
+	else if (!strcmp(command, "demo"))
+		status = cmd_demo(conn, rows, cols);
+	else {
+		usage();
+		status = 2;
+	}
+	nc_close(conn);
+	return status;
+}

@@ -1,0 +1,316 @@
+/*
+ * One connection: socket I/O, frame reassembly, the output queue and the
+ * connection's lifetime.
+ *
+ * The socket is watched with a uv_poll_t and read with recvmsg() so that
+ * memfds sent with SCM_RIGHTS arrive with the bytes they were sent with
+ * (libuv's stream API cannot take them). Received fds wait in a small FIFO
+ * until the RegisterRegion frame that claims them is dispatched; a client
+ * sends each fd with its own register frame, so frames and fds stay in order.
+ *
+ * A client is never freed inside its own callbacks: client_close() only marks
+ * it and releases what it can, and the server's before-poll hook frees it
+ * once its jobs have completed and its poll handle is closed.
+ */
+#include "daemon/server.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "proto/frame.h"
+
+#define CLIENT_READ_CHUNK 65536
+
+static void client_on_poll(uv_poll_t *handle, int status, int events);
+
+static void client_update_poll(struct client *c)
+{
+	int events = 0;
+	if (!c->closing && !c->close_after_flush)
+		events |= UV_READABLE;
+	if (c->out_head)
+		events |= UV_WRITABLE;
+	if (events == c->poll_events)
+		return;
+	c->poll_events = events;
+	if (events)
+		uv_poll_start(&c->poll, events, client_on_poll);
+	else
+		uv_poll_stop(&c->poll);
+}
+
+int client_create(struct server *srv, int fd, pid_t pid, uid_t uid, gid_t gid)
+{
+	struct client *c = nc__calloc(1, sizeof(*c));
+	if (!c)
+		return NC_ENOMEM;
+	c->srv = srv;
+	c->id = ++srv->next_client_id;
+	c->fd = fd;
+	c->pid = pid;
+	c->uid = uid;
+	c->gid = gid;
+	snprintf(c->name, sizeof(c->name), "-");
+	region_table_init(&c->regions);
+	if (uv_poll_init(srv->loop, &c->poll, fd) != 0) {
+		nc__free(c);
+		return NC_EINTERNAL;
+	}
+	c->poll.data = c;
+	c->next = srv->clients;
+	if (srv->clients)
+		srv->clients->prev = c;
+	srv->clients = c;
+	srv->client_count++;
+	srv->stats.clients_total++;
+	client_update_poll(c);
+	return 0;
+}
+
+static void client_on_handle_closed(uv_handle_t *handle)
+{
+	struct client *c = handle->data;
+	c->poll_closed = true;
+}
+
+static void client_drop_output(struct client *c)
+{
+	while (c->out_head) {
+		struct out_chunk *chunk = c->out_head;
+		c->out_head = chunk->next;
+		nc__free(chunk->bytes);
+		nc__free(chunk);
+	}
+	c->out_tail = NULL;
+	c->out_bytes = 0;
+}
+
+void client_close(struct client *c, const char *reason)
+{
+	if (c->closing)
+		return;
+	log_info("event=disconnect client=%llu pid=%d name=%s jobs_in_flight=%u reason=\"%s\"",
+		 (unsigned long long)c->id, (int)c->pid, c->name, c->jobs_in_flight, reason);
+	c->closing = true;
+	c->srv->client_count--;
+	uv_poll_stop(&c->poll);
+	uv_close((uv_handle_t *)&c->poll, client_on_handle_closed);
+	close(c->fd);
+	c->fd = -1;
+	client_drop_output(c);
+	for (unsigned i = 0; i < c->pending_fd_count; i++)
+		close(c->pending_fds[i]);
+	c->pending_fd_count = 0;
+	region_table_clear(&c->regions);
+	nc__free(c->in_buf);
+	c->in_buf = NULL;
+	c->in_len = c->in_cap = 0;
+}
+
+bool client_try_free(struct client *c)
+{
+	if (!c->closing || !c->poll_closed || c->jobs_in_flight > 0)
+		return false;
+	struct server *srv = c->srv;
+	if (c->prev)
+		c->prev->next = c->next;
+	else
+		srv->clients = c->next;
+	if (c->next)
+		c->next->prev = c->prev;
+	nc__free(c);
+	return true;
+}
+
+void client_send(struct client *c, uint8_t *bytes, size_t len)
+{
+	if (c->closing) {
+		nc__free(bytes);
+		return;
+	}
+	if (c->out_bytes + len > c->srv->cfg->max_output_bytes) {
+		nc__free(bytes);
+		log_warn("event=output_cap client=%llu queued=%zu cap=%llu", (unsigned long long)c->id,
+			 c->out_bytes, (unsigned long long)c->srv->cfg->max_output_bytes);
+		client_close(c, "client does not read its replies (output queue full)");
+		return;
+	}
+	struct out_chunk *chunk = nc__malloc(sizeof(*chunk));
+	if (!chunk) {
+		nc__free(bytes);
+		client_close(c, "out of memory queueing a reply");
+		return;
+	}
+	chunk->next = NULL;
+	chunk->len = len;
+	chunk->sent = 0;
+	chunk->bytes = bytes;
+	if (c->out_tail)
+		c->out_tail->next = chunk;
+	else
+		c->out_head = chunk;
+	c->out_tail = chunk;
+	c->out_bytes += len;
+	client_update_poll(c);
+}
+
+/* Writes as much queued output as the socket takes. */
+static void client_flush(struct client *c)
+{
+	while (c->out_head) {
+		struct out_chunk *chunk = c->out_head;
+		ssize_t n = send(c->fd, chunk->bytes + chunk->sent, chunk->len - chunk->sent,
+				 MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (n < 0 && (errno == EAGAIN || errno == EINTR))
+			break;
+		if (n < 0) {
+			client_close(c, strerror(errno));
+			return;
+		}
+		chunk->sent += (size_t)n;
+		c->out_bytes -= (size_t)n;
+		if (chunk->sent < chunk->len)
+			break;
+		c->out_head = chunk->next;
+		if (!c->out_head)
+			c->out_tail = NULL;
+		nc__free(chunk->bytes);
+		nc__free(chunk);
+	}
+	if (!c->out_head && c->close_after_flush) {
+		client_close(c, "protocol violation");
+		return;
+	}
+	client_update_poll(c);
+	if (c->srv->draining)
+		server_drain_check(c->srv);
+}
+
+/* Keeps fds that arrived with SCM_RIGHTS; closes any beyond the FIFO's room. */
+static void client_take_fds(struct client *c, struct msghdr *msg)
+{
+	for (struct cmsghdr *cm = CMSG_FIRSTHDR(msg); cm; cm = CMSG_NXTHDR(msg, cm)) {
+		if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+			continue;
+		size_t n = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+		int fds[CLIENT_MAX_PENDING_FDS * 2];
+		if (n > sizeof(fds) / sizeof(fds[0]))
+			n = sizeof(fds) / sizeof(fds[0]);
+		memcpy(fds, CMSG_DATA(cm), n * sizeof(int));
+		for (size_t i = 0; i < n; i++) {
+			if (c->pending_fd_count < CLIENT_MAX_PENDING_FDS)
+				c->pending_fds[c->pending_fd_count++] = fds[i];
+			else
+				close(fds[i]);
+		}
+	}
+}
+
+int client_claim_fd(struct client *c)
+{
+	if (c->pending_fd_count == 0)
+		return -1;
+	int fd = c->pending_fds[0];
+	memmove(c->pending_fds, c->pending_fds + 1, --c->pending_fd_count * sizeof(int));
+	return fd;
+}
+
+/* Decodes and dispatches every complete frame in the input buffer. */
+static void client_process_input(struct client *c)
+{
+	size_t pos = 0;
+	while (!c->closing && !c->close_after_flush && c->in_len - pos >= NC__FRAME_HEADER_BYTES) {
+		uint32_t body = nc__frame_length(c->in_buf + pos);
+		if (body > c->srv->cfg->max_frame) {
+			reply_result(c, 0, NC_EPROTOCOL_ERROR,
+				     "frame of %u bytes exceeds max_frame %llu; closing", body,
+				     (unsigned long long)c->srv->cfg->max_frame);
+			c->close_after_flush = true;
+			break;
+		}
+		if (c->in_len - pos < NC__FRAME_HEADER_BYTES + body)
+			break;
+		const char *why = NULL;
+		Normd__Envelope *env = nc__envelope_unpack(c->in_buf + pos + NC__FRAME_HEADER_BYTES,
+							   body, &why);
+		pos += NC__FRAME_HEADER_BYTES + body;
+		if (!env) {
+			reply_result(c, 0, NC_EPROTOCOL_ERROR, "undecodable frame (%s); closing",
+				     why);
+			c->close_after_flush = true;
+			break;
+		}
+		dispatch_envelope(c, env);
+	}
+	if (c->closing)
+		return;
+	memmove(c->in_buf, c->in_buf + pos, c->in_len - pos);
+	c->in_len -= pos;
+	if (c->close_after_flush)
+		client_update_poll(c);
+}
+
+static int client_reserve_input(struct client *c)
+{
+	/* Room for the largest frame plus one read chunk. */
+	size_t want = c->in_len + CLIENT_READ_CHUNK;
+	if (want <= c->in_cap)
+		return 0;
+	size_t cap = c->in_cap ? c->in_cap : CLIENT_READ_CHUNK;
+	while (cap < want)
+		cap *= 2;
+	uint8_t *buf = nc__realloc(c->in_buf, cap);
+	if (!buf)
+		return NC_ENOMEM;
+	c->in_buf = buf;
+	c->in_cap = cap;
+	return 0;
+}
+
+static void client_read(struct client *c)
+{
+	if (client_reserve_input(c)) {
+		client_close(c, "out of memory reading a frame");
+		return;
+	}
+	union {
+		char buf[CMSG_SPACE(sizeof(int) * CLIENT_MAX_PENDING_FDS * 2)];
+		struct cmsghdr align;
+	} control;
+	struct iovec iov = {.iov_base = c->in_buf + c->in_len, .iov_len = c->in_cap - c->in_len};
+	struct msghdr msg = {
+		.msg_iov = &iov,
+		.msg_iovlen = 1,
+		.msg_control = control.buf,
+		.msg_controllen = sizeof(control.buf),
+	};
+	ssize_t n = recvmsg(c->fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+	if (n < 0 && (errno == EAGAIN || errno == EINTR))
+		return;
+	if (n <= 0) {
+		client_close(c, n == 0 ? "peer closed the connection" : strerror(errno));
+		return;
+	}
+	client_take_fds(c, &msg);
+	if (msg.msg_flags & MSG_CTRUNC)
+		log_warn("event=fds_truncated client=%llu", (unsigned long long)c->id);
+	c->in_len += (size_t)n;
+	client_process_input(c);
+}
+
+static void client_on_poll(uv_poll_t *handle, int status, int events)
+{
+	struct client *c = handle->data;
+	if (status < 0) {
+		client_close(c, uv_strerror(status));
+		return;
+	}
+	if (events & UV_WRITABLE)
+		client_flush(c);
+	if (!c->closing && (events & UV_READABLE))
+		client_read(c);
+}

@@ -1,0 +1,153 @@
+/*
+ * What each request does. Every request gets exactly one reply (a Result
+ * unless the request has its own reply type); jobs are answered when they
+ * complete. Until Hello has been accepted, anything else is a protocol error
+ * that closes the connection.
+ */
+#include "daemon/server.h"
+
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "proto/frame.h"
+
+static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__Hello *hello)
+{
+	if (c->hello_done) {
+		reply_result(c, request_id, NC_EPROTOCOL_ERROR, "Hello sent twice");
+		return;
+	}
+	if (hello->protocol_version != NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION) {
+		reply_result(c, request_id, NC_EPROTOCOL_ERROR,
+			     "protocol_version %u is not supported (server speaks %u); closing",
+			     hello->protocol_version, NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION);
+		c->close_after_flush = true;
+		return;
+	}
+	if (hello->client_name) {
+		/* Keep the name printable and free of spaces for the logs. */
+		size_t i = 0;
+		for (; hello->client_name[i] && i + 1 < sizeof(c->name); i++) {
+			char ch = hello->client_name[i];
+			c->name[i] = (ch > ' ' && ch < 127 && ch != '"') ? ch : '_';
+		}
+		c->name[i] = '\0';
+	}
+	c->hello_done = true;
+	log_info("event=hello client=%llu pid=%d uid=%d name=%s", (unsigned long long)c->id,
+		 (int)c->pid, (int)c->uid, c->name);
+	reply_hello(c, request_id);
+}
+
+static void dispatch_register(struct client *c, uint64_t request_id,
+			      const Normd__RegisterRegion *msg)
+{
+	const struct config *cfg = c->srv->cfg;
+	/* Claim the fd first so that a refused request never leaves it queued. */
+	int fd = msg->kind == NORMD__REGION_KIND__HOST_MEMFD ? client_claim_fd(c) : -1;
+	char why[192];
+	int rc;
+	if (msg->kind != NORMD__REGION_KIND__HOST_MEMFD) {
+		rc = NC_EUNSUPPORTED;
+		snprintf(why, sizeof(why), "region kind %d is not supported by the %s backend",
+			 (int)msg->kind, c->srv->backend->name);
+	} else if (fd < 0) {
+		rc = NC_EINVALID_ARGUMENT;
+		snprintf(why, sizeof(why), "HOST_MEMFD region %llu arrived without an fd",
+			 (unsigned long long)msg->region_id);
+	} else if (msg->region_id == 0 || msg->size == 0) {
+		rc = NC_EINVALID_ARGUMENT;
+		snprintf(why, sizeof(why), "region_id and size must be non-zero");
+	} else if (region_lookup(&c->regions, msg->region_id)) {
+		rc = NC_EALREADY_EXISTS;
+		snprintf(why, sizeof(why), "region %llu is already registered",
+			 (unsigned long long)msg->region_id);
+	} else if (c->regions.count >= cfg->max_regions) {
+		rc = NC_ERESOURCE_EXHAUSTED;
+		snprintf(why, sizeof(why), "max_regions (%llu) reached",
+			 (unsigned long long)cfg->max_regions);
+	} else if (msg->size > cfg->max_mapped_bytes - c->regions.mapped_bytes) {
+		rc = NC_ERESOURCE_EXHAUSTED;
+		snprintf(why, sizeof(why), "size %llu would exceed max_mapped_bytes (%llu)",
+			 (unsigned long long)msg->size, (unsigned long long)cfg->max_mapped_bytes);
+	} else {
+		rc = 1; /* checks passed */
+	}
+	if (rc != 1) {
+		if (fd >= 0)
+			close(fd);
+		reply_result(c, request_id, rc, "%s", why);
+		return;
+	}
+	struct region *region;
+	rc = region_map_memfd(fd, msg->region_id, msg->size, &region, why, sizeof(why));
+	if (rc == 0) {
+		rc = region_insert(&c->regions, region);
+		if (rc) {
+			region_unref(region);
+			snprintf(why, sizeof(why), "out of memory");
+		}
+	}
+	if (rc) {
+		reply_result(c, request_id, rc, "region %llu: %s",
+			     (unsigned long long)msg->region_id, why);
+		return;
+	}
+	log_debug("event=register client=%llu region=%llu size=%llu", (unsigned long long)c->id,
+		  (unsigned long long)msg->region_id, (unsigned long long)msg->size);
+	reply_result(c, request_id, NC_OK, NULL);
+}
+
+static void dispatch_unregister(struct client *c, uint64_t request_id,
+				const Normd__UnregisterRegion *msg)
+{
+	struct region *region = region_remove(&c->regions, msg->region_id);
+	if (!region) {
+		reply_result(c, request_id, NC_ENOT_FOUND, "region %llu is not registered",
+			     (unsigned long long)msg->region_id);
+		return;
+	}
+	region_unref(region);
+	reply_result(c, request_id, NC_OK, NULL);
+}
+
+void dispatch_envelope(struct client *c, Normd__Envelope *env)
+{
+	uint64_t id = env->has_request_id ? env->request_id : 0;
+	Normd__Envelope__BodyCase body = env->body_case;
+	if (!c->hello_done && body != NORMD__ENVELOPE__BODY_HELLO) {
+		reply_result(c, id, NC_EPROTOCOL_ERROR, "the first message must be Hello; closing");
+		c->close_after_flush = true;
+		goto out;
+	}
+	switch (body) {
+	case NORMD__ENVELOPE__BODY_HELLO:
+		dispatch_hello(c, id, env->hello);
+		break;
+	case NORMD__ENVELOPE__BODY_REGISTER_REGION:
+		dispatch_register(c, id, env->register_region);
+		break;
+	case NORMD__ENVELOPE__BODY_UNREGISTER_REGION:
+		dispatch_unregister(c, id, env->unregister_region);
+		break;
+	case NORMD__ENVELOPE__BODY_JOB:
+		job_submit(c, id, env->job);
+		break;
+	case NORMD__ENVELOPE__BODY_STATS:
+		reply_stats(c, id);
+		break;
+	case NORMD__ENVELOPE__BODY_PING:
+		reply_pong(c, id, env->ping->has_nonce ? env->ping->nonce : 0);
+		break;
+	case NORMD__ENVELOPE__BODY_GOODBYE:
+		client_close(c, "goodbye");
+		break;
+	default:
+		reply_result(c, id, NC_EPROTOCOL_ERROR,
+			     "message type %d is not a request the daemon accepts", (int)body);
+		break;
+	}
+out:
+	nc__envelope_free(env);
+}

@@ -1,0 +1,352 @@
+/*
+ * Jobs: validation, submission to the backend, and completion.
+ *
+ * job_validate() checks everything a client controls before anything runs:
+ * the op, shape, eps and dtypes; which tensors the op needs and which it must
+ * not get; and, for each tensor, that its region is this connection's and
+ * that offset + byte size lies inside it, with every product and sum checked
+ * for 64-bit overflow. Only then are region references taken and the job
+ * handed to the backend. Workers give finished jobs back through a mutex-
+ * protected queue and uv_async_send; the loop drains the whole queue on each
+ * wake-up (libuv coalesces wake-ups).
+ */
+#include "daemon/server.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "daemon/log.h"
+#include "proto/frame.h"
+
+/* Tensor roles, in the order of struct job's region slots. */
+enum tensor_role { T_X, T_Y, T_MEAN, T_RSTD, T_GAMMA, T_BETA, T_DY, T_DX, T_DGAMMA, T_DBETA };
+
+static const char *const role_names[JOB_MAX_TENSORS] = {
+	"x", "y", "mean", "rstd", "gamma", "beta", "dy", "dx", "dgamma", "dbeta",
+};
+
+/* What an op does with each role: unused, required, optional. */
+enum use { U_NONE = 0, U_REQ, U_OPT };
+
+struct op_rules {
+	enum nk_op nk_op;
+	const char *name;
+	bool backward;
+	enum use use[JOB_MAX_TENSORS];
+};
+
+/* Row: x, y, mean, rstd, gamma, beta, dy, dx, dgamma, dbeta. */
+static const struct op_rules rules_ln_fwd = {
+	NK_LAYERNORM_FWD, "LAYERNORM_FWD", false,
+	{U_REQ, U_REQ, U_OPT, U_OPT, U_OPT, U_OPT, U_NONE, U_NONE, U_NONE, U_NONE}};
+static const struct op_rules rules_rms_fwd = {
+	NK_RMSNORM_FWD, "RMSNORM_FWD", false,
+	{U_REQ, U_REQ, U_NONE, U_OPT, U_OPT, U_NONE, U_NONE, U_NONE, U_NONE, U_NONE}};
+static const struct op_rules rules_ln_bwd = {
+	NK_LAYERNORM_BWD, "LAYERNORM_BWD", true,
+	{U_REQ, U_NONE, U_REQ, U_REQ, U_OPT, U_OPT, U_REQ, U_REQ, U_OPT, U_OPT}};
+static const struct op_rules rules_rms_bwd = {
+	NK_RMSNORM_BWD, "RMSNORM_BWD", true,
+	{U_REQ, U_NONE, U_NONE, U_REQ, U_OPT, U_NONE, U_REQ, U_REQ, U_OPT, U_NONE}};
+
+static const struct op_rules *rules_for(Normd__Op op)
+{
+	switch (op) {
+	case NORMD__OP__LAYERNORM_FWD:
+		return &rules_ln_fwd;
+	case NORMD__OP__RMSNORM_FWD:
+		return &rules_rms_fwd;
+	case NORMD__OP__LAYERNORM_BWD:
+		return &rules_ln_bwd;
+	case NORMD__OP__RMSNORM_BWD:
+		return &rules_rms_bwd;
+	default:
+		return NULL;
+	}
+}
+
+static bool dtype_from_wire(Normd__DType wire, enum nk_dtype *out)
+{
+	switch (wire) {
+	case NORMD__DTYPE__F32:
+		*out = NK_F32;
+		return true;
+	case NORMD__DTYPE__F16:
+		*out = NK_F16;
+		return true;
+	case NORMD__DTYPE__BF16:
+		*out = NK_BF16;
+		return true;
+	default:
+		return false;
+	}
+}
+
+/* A refusal: status plus a one-line message naming the field and value. */
+static int job_refuse(struct job *job, int status, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+static int job_refuse(struct job *job, int status, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(job->message, sizeof(job->message), fmt, ap);
+	va_end(ap);
+	job->status = status;
+	return status;
+}
+
+static Normd__Tensor *job_tensor(const Normd__Job *msg, enum tensor_role role)
+{
+	Normd__Tensor *const tensors[JOB_MAX_TENSORS] = {
+		msg->x, msg->y, msg->mean, msg->rstd, msg->gamma,
+		msg->beta, msg->dy, msg->dx, msg->dgamma, msg->dbeta,
+	};
+	return tensors[role];
+}
+
+/* Elements of a role for a rows x cols job. */
+static uint64_t role_elems(enum tensor_role role, uint64_t rows, uint64_t cols)
+{
+	switch (role) {
+	case T_MEAN:
+	case T_RSTD:
+		return rows;
+	case T_GAMMA:
+	case T_BETA:
+	case T_DGAMMA:
+	case T_DBETA:
+		return cols;
+	default:
+		return rows * cols; /* overflow was ruled out by job_check_shape */
+	}
+}
+
+static size_t role_elem_size(enum tensor_role role, const struct nk_norm_args *a)
+{
+	if (role == T_MEAN || role == T_RSTD)
+		return sizeof(float);
+	if (role == T_GAMMA || role == T_BETA || role == T_DGAMMA || role == T_DBETA)
+		return nk_dtype_size(a->weight_dtype);
+	return nk_dtype_size(a->dtype);
+}
+
+static int job_check_shape(struct job *job, const Normd__Job *msg, const struct config *cfg)
+{
+	uint64_t elems, bytes;
+	if (msg->rows == 0)
+		return job_refuse(job, NC_EINVALID_ARGUMENT, "rows must be at least 1 (got 0)");
+	if (msg->cols == 0)
+		return job_refuse(job, NC_EINVALID_ARGUMENT, "cols must be at least 1 (got 0)");
+	if (msg->cols > cfg->max_cols)
+		return job_refuse(job, NC_EOUT_OF_RANGE, "cols %llu exceeds max_cols %llu",
+				  (unsigned long long)msg->cols, (unsigned long long)cfg->max_cols);
+	if (msg->rows > INT64_MAX || __builtin_mul_overflow(msg->rows, msg->cols, &elems) ||
+	    elems > INT64_MAX || __builtin_mul_overflow(elems, (uint64_t)8, &bytes))
+		return job_refuse(job, NC_EOUT_OF_RANGE,
+				  "rows*cols overflows (rows %llu, cols %llu)",
+				  (unsigned long long)msg->rows, (unsigned long long)msg->cols);
+	float eps = msg->has_eps ? msg->eps : 1e-5f;
+	if (!(eps > 0.0f) || !isfinite(eps))
+		return job_refuse(job, NC_EINVALID_ARGUMENT,
+				  "eps must be positive and finite (got %g)", (double)eps);
+	return 0;
+}
+
+static int job_check_types(struct job *job, const Normd__Job *msg, const struct op_rules *r)
+{
+	struct nk_norm_args *a = &job->args;
+	if (!dtype_from_wire(msg->dtype, &a->dtype))
+		return job_refuse(job, NC_EINVALID_ARGUMENT, "dtype %d is not F32, F16 or BF16",
+				  (int)msg->dtype);
+	a->weight_dtype = a->dtype;
+	if (msg->has_weight_dtype && !dtype_from_wire(msg->weight_dtype, &a->weight_dtype))
+		return job_refuse(job, NC_EINVALID_ARGUMENT,
+				  "weight_dtype %d is not F32, F16 or BF16", (int)msg->weight_dtype);
+	if (a->weight_dtype != a->dtype && a->weight_dtype != NK_F32)
+		return job_refuse(job, NC_EUNSUPPORTED,
+				  "weight_dtype %s with dtype %s: weights must match dtype or be f32",
+				  nk_dtype_name(a->weight_dtype), nk_dtype_name(a->dtype));
+	if (!r->backward && (msg->memory_efficient || msg->accumulate))
+		return job_refuse(job, NC_EINVALID_ARGUMENT,
+				  "memory_efficient and accumulate apply to backward ops, not %s",
+				  r->name);
+	return 0;
+}
+
+/* Resolves one tensor into a pointer, checking region and bounds. */
+static int job_bind_tensor(struct job *job, struct client *c, const Normd__Tensor *t,
+			   enum tensor_role role, const void **out)
+{
+	const char *name = role_names[role];
+	struct region *region = region_lookup(&c->regions, t->region_id);
+	if (!region)
+		return job_refuse(job, NC_ENOT_FOUND,
+				  "tensor %s: region %llu is not registered on this connection",
+				  name, (unsigned long long)t->region_id);
+	uint64_t bytes, end;
+	uint64_t elems = role_elems(role, job->args.rows, job->args.cols);
+	uint64_t offset = t->has_offset ? t->offset : 0;
+	if (__builtin_mul_overflow(elems, (uint64_t)role_elem_size(role, &job->args), &bytes) ||
+	    __builtin_add_overflow(offset, bytes, &end) || end > region->size)
+		return job_refuse(job, NC_EOUT_OF_RANGE,
+				  "tensor %s: offset %llu + %llu elements runs past region %llu "
+				  "(%llu bytes)",
+				  name, (unsigned long long)offset, (unsigned long long)elems,
+				  (unsigned long long)t->region_id, (unsigned long long)region->size);
+	region_ref(region);
+	job->regions[job->region_count++] = region;
+	job->bytes += bytes;
+	*out = (const char *)region->base + offset;
+	return 0;
+}
+
+static int job_bind_tensors(struct job *job, struct client *c, const Normd__Job *msg,
+			    const struct op_rules *r)
+{
+	const void *ptr[JOB_MAX_TENSORS] = {0};
+	for (int role = 0; role < JOB_MAX_TENSORS; role++) {
+		const Normd__Tensor *t = job_tensor(msg, (enum tensor_role)role);
+		if (!t && r->use[role] == U_REQ)
+			return job_refuse(job, NC_EINVALID_ARGUMENT, "%s needs tensor %s",
+					  r->name, role_names[role]);
+		if (t && r->use[role] == U_NONE)
+			return job_refuse(job, NC_EINVALID_ARGUMENT,
+					  "tensor %s is not used by %s%s", role_names[role],
+					  r->name,
+					  role == T_MEAN && msg->memory_efficient ? " with memory_efficient"
+										  : "");
+		if (t && job_bind_tensor(job, c, t, (enum tensor_role)role, &ptr[role]))
+			return job->status;
+	}
+	struct nk_norm_args *a = &job->args;
+	a->x = ptr[T_X];
+	a->y = (void *)ptr[T_Y];
+	a->mean = (float *)ptr[T_MEAN];
+	a->rstd = (float *)ptr[T_RSTD];
+	a->gamma = ptr[T_GAMMA];
+	a->beta = ptr[T_BETA];
+	a->dy = ptr[T_DY];
+	a->dx = (void *)ptr[T_DX];
+	a->dgamma = (void *)ptr[T_DGAMMA];
+	a->dbeta = (void *)ptr[T_DBETA];
+	return 0;
+}
+
+static int job_validate(struct job *job, struct client *c, const Normd__Job *msg)
+{
+	const struct op_rules *r = rules_for(msg->op);
+	if (!r)
+		return job_refuse(job, NC_EINVALID_ARGUMENT, "op %d is not a known operation",
+				  (int)msg->op);
+	if (job_check_shape(job, msg, c->srv->cfg) || job_check_types(job, msg, r))
+		return job->status;
+	struct nk_norm_args *a = &job->args;
+	a->op = r->nk_op;
+	a->rows = (int64_t)msg->rows;
+	a->cols = (int64_t)msg->cols;
+	a->eps = msg->has_eps ? msg->eps : 1e-5f;
+	a->flags = (msg->memory_efficient ? NK_MEMORY_EFFICIENT : 0u) |
+		   (msg->accumulate ? NK_ACCUMULATE : 0u);
+	/* The memory-efficient backward reads y, not mean. */
+	struct op_rules adjusted = *r;
+	if (msg->memory_efficient)
+		adjusted.use[T_MEAN] = U_NONE;
+	if (job_bind_tensors(job, c, msg, &adjusted))
+		return job->status;
+	const char *why = NULL;
+	if (nk_norm_check(a, &why) != NK_OK)
+		return job_refuse(job, NC_EINVALID_ARGUMENT, "%s", why ? why : "invalid job");
+	return 0;
+}
+
+static void job_free(struct job *job)
+{
+	for (unsigned i = 0; i < job->region_count; i++)
+		region_unref(job->regions[i]);
+	nc__free(job);
+}
+
+void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
+{
+	struct server *srv = c->srv;
+	if (srv->draining) {
+		reply_result(c, request_id, NC_ESHUTTING_DOWN, "the daemon is shutting down");
+		return;
+	}
+	if (c->jobs_in_flight >= srv->cfg->max_jobs_in_flight) {
+		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED,
+			     "max_jobs_in_flight (%llu) reached; wait for replies first",
+			     (unsigned long long)srv->cfg->max_jobs_in_flight);
+		return;
+	}
+	struct job *job = nc__calloc(1, sizeof(*job));
+	if (!job) {
+		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED, "out of memory for a job");
+		return;
+	}
+	job->client = c;
+	job->request_id = request_id;
+	job->op = msg->op;
+	job->deadline_us = msg->has_deadline_us ? msg->deadline_us : 0;
+	job->t_arrive_ns = server_now_ns();
+	if (job_validate(job, c, msg) == 0)
+		job->status = srv->backend->submit(srv->backend, job);
+	if (job->status != NC_OK) {
+		srv->stats.jobs_failed++;
+		reply_job(c, job);
+		job_free(job);
+		return;
+	}
+	c->jobs_in_flight++;
+	srv->jobs_in_flight++;
+}
+
+void job_post_completion(struct job *job)
+{
+	struct server *srv = job->client->srv;
+	uv_mutex_lock(&srv->completion_lock);
+	if (srv->completed_tail)
+		srv->completed_tail->next = job;
+	else
+		srv->completed_head = job;
+	srv->completed_tail = job;
+	job->next = NULL;
+	uv_mutex_unlock(&srv->completion_lock);
+	uv_async_send(&srv->completion_async);
+}
+
+/* Loop thread: answers one finished job and releases what it held. */
+static void job_finish(struct job *job)
+{
+	struct client *c = job->client;
+	struct server *srv = c->srv;
+	if (job->status == NC_OK) {
+		srv->stats.jobs_ok++;
+		srv->stats.bytes_processed += job->bytes;
+	} else {
+		srv->stats.jobs_failed++;
+	}
+	reply_job(c, job); /* dropped if the client is gone */
+	c->jobs_in_flight--;
+	srv->jobs_in_flight--;
+	job_free(job);
+}
+
+/* uv_async callback: drains every completed job (wake-ups coalesce). */
+void job_drain_completions(uv_async_t *async)
+{
+	struct server *srv = async->data;
+	uv_mutex_lock(&srv->completion_lock);
+	struct job *job = srv->completed_head;
+	srv->completed_head = srv->completed_tail = NULL;
+	uv_mutex_unlock(&srv->completion_lock);
+	while (job) {
+		struct job *next = job->next;
+		job_finish(job);
+		job = next;
+	}
+	if (srv->draining)
+		server_drain_check(srv);
+}

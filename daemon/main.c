@@ -1,0 +1,63 @@
+/*
+ * normd's entry point: read the configuration, pick the backend, run the
+ * server, and turn the outcome into an exit status. The only place that
+ * decides the process's exit.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "daemon/log.h"
+#include "daemon/server.h"
+
+static int backend_create(const struct config *cfg, struct backend **out)
+{
+	if (!strcmp(cfg->device, "cpu"))
+		return backend_cpu_create(cfg, out);
+	log_error("event=no_device device=%s error=\"the CUDA backend is not part of this build "
+		  "yet; start with --device cpu\"",
+		  cfg->device);
+	return NC_EUNSUPPORTED;
+}
+
+int main(int argc, char **argv)
+{
+	struct config cfg;
+	char err[512];
+	bool print_config, show_help;
+	config_init(&cfg);
+	if (config_parse_args(&cfg, argc, argv, &print_config, &show_help, err, sizeof(err))) {
+		fprintf(stderr, "normd: %s\n", err);
+		config_free(&cfg);
+		return 2;
+	}
+	if (show_help || print_config) {
+		if (show_help)
+			config_usage(stdout);
+		else
+			config_print(&cfg, stdout);
+		config_free(&cfg);
+		return 0;
+	}
+	if (log_set_level(cfg.log_level) != 0) {
+		fprintf(stderr, "normd: log_level '%s' is not error, warn, info or debug\n",
+			cfg.log_level);
+		config_free(&cfg);
+		return 2;
+	}
+	/* Writes to a vanished client must fail with EPIPE, not kill the daemon. */
+	signal(SIGPIPE, SIG_IGN);
+	config_log(&cfg);
+
+	struct backend *backend = NULL;
+	int rc = backend_create(&cfg, &backend);
+	if (rc != 0) {
+		config_free(&cfg);
+		return 1;
+	}
+	rc = server_run(&cfg, backend);
+	if (server_instance && server_instance->backend)
+		backend->destroy(backend);
+	config_free(&cfg);
+	return rc;
+}

@@ -1,0 +1,213 @@
+/*
+ * Registered memory. Each connection names its regions by ids it chooses;
+ * the ids live in that connection's table only, so no client can name
+ * another's memory. A region is reference-counted: the table holds one
+ * reference and every job using it one more, so unregistering or
+ * disconnecting with jobs in flight unmaps only after those jobs end.
+ *
+ * HOST_MEMFD regions must be memfds sealed against shrinking (the daemon
+ * adds F_SEAL_SHRINK itself when the client allowed sealing): otherwise the
+ * client could truncate the file under a running job and fault the daemon.
+ */
+#include "daemon/server.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "proto/frame.h"
+
+static uint64_t live_regions;
+static uint64_t live_bytes;
+
+uint64_t region_live_count(void)
+{
+	return live_regions;
+}
+
+uint64_t region_live_bytes(void)
+{
+	return live_bytes;
+}
+
+void region_table_init(struct region_table *table)
+{
+	memset(table, 0, sizeof(*table));
+}
+
+static size_t region_slot(uint64_t id, size_t capacity)
+{
+	/* Fibonacci hashing spreads sequential ids. */
+	return (size_t)((id * 11400714819323198485ull) >> 32) & (capacity - 1);
+}
+
+struct region *region_lookup(const struct region_table *table, uint64_t id)
+{
+	if (table->capacity == 0)
+		return NULL;
+	for (size_t i = region_slot(id, table->capacity);; i = (i + 1) & (table->capacity - 1)) {
+		struct region *r = table->slots[i];
+		if (!r)
+			return NULL;
+		if (r->id == id)
+			return r;
+	}
+}
+
+static void region_place(struct region **slots, size_t capacity, struct region *region)
+{
+	size_t i = region_slot(region->id, capacity);
+	while (slots[i])
+		i = (i + 1) & (capacity - 1);
+	slots[i] = region;
+}
+
+static int region_table_grow(struct region_table *table)
+{
+	size_t capacity = table->capacity ? table->capacity * 2 : 16;
+	struct region **slots = nc__calloc(capacity, sizeof(*slots));
+	if (!slots)
+		return NC_ENOMEM;
+	for (size_t i = 0; i < table->capacity; i++) {
+		if (table->slots[i])
+			region_place(slots, capacity, table->slots[i]);
+	}
+	nc__free(table->slots);
+	table->slots = slots;
+	table->capacity = capacity;
+	return 0;
+}
+
+int region_insert(struct region_table *table, struct region *region)
+{
+	if (region_lookup(table, region->id))
+		return NC_EALREADY_EXISTS;
+	/* Keep the load factor under one half. */
+	if ((table->count + 1) * 2 > table->capacity) {
+		int rc = region_table_grow(table);
+		if (rc)
+			return rc;
+	}
+	region_place(table->slots, table->capacity, region);
+	table->count++;
+	table->mapped_bytes += region->size;
+	return 0;
+}
+
+struct region *region_remove(struct region_table *table, uint64_t id)
+{
+	if (table->capacity == 0)
+		return NULL;
+	size_t mask = table->capacity - 1, i = region_slot(id, table->capacity);
+	while (table->slots[i] && table->slots[i]->id != id)
+		i = (i + 1) & mask;
+	struct region *found = table->slots[i];
+	if (!found)
+		return NULL;
+	table->slots[i] = NULL;
+	table->count--;
+	table->mapped_bytes -= found->size;
+	/* Re-place the rest of the probe run so lookups still find them. */
+	for (size_t j = (i + 1) & mask; table->slots[j]; j = (j + 1) & mask) {
+		struct region *r = table->slots[j];
+		table->slots[j] = NULL;
+		region_place(table->slots, table->capacity, r);
+	}
+	return found;
+}
+
+void region_table_clear(struct region_table *table)
+{
+	for (size_t i = 0; i < table->capacity; i++) {
+		if (table->slots[i])
+			region_unref(table->slots[i]);
+	}
+	nc__free(table->slots);
+	region_table_init(table);
+}
+
+void region_ref(struct region *region)
+{
+	region->refs++;
+}
+
+void region_unref(struct region *region)
+{
+	if (!region || --region->refs > 0)
+		return;
+	if (region->kind == NORMD__REGION_KIND__HOST_MEMFD && region->base)
+		munmap(region->base, region->mapped_size);
+	live_regions--;
+	live_bytes -= region->mapped_size;
+	nc__free(region);
+}
+
+/* Makes sure the file cannot shrink under us; adds the seal if allowed. */
+static int memfd_seal_check(int fd, char *why, size_t why_len)
+{
+	int seals = fcntl(fd, F_GET_SEALS);
+	if (seals < 0) {
+		snprintf(why, why_len, "the fd is not a memfd (F_GET_SEALS: %s)", strerror(errno));
+		return NC_EINVALID_ARGUMENT;
+	}
+	if (seals & F_SEAL_SHRINK)
+		return 0;
+	if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0)
+		return 0;
+	snprintf(why, why_len,
+		 "the memfd can shrink and cannot be sealed: create it with MFD_ALLOW_SEALING");
+	return NC_EINVALID_ARGUMENT;
+}
+
+int region_map_memfd(int fd, uint64_t id, uint64_t size, struct region **out, char *why,
+		     size_t why_len)
+{
+	struct stat st;
+	int rc = memfd_seal_check(fd, why, why_len);
+	if (rc)
+		goto out_close;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+		snprintf(why, why_len, "the fd is not a regular memfd");
+		rc = NC_EINVALID_ARGUMENT;
+		goto out_close;
+	}
+	if ((uint64_t)st.st_size < size || size > SIZE_MAX) {
+		snprintf(why, why_len, "size %llu is larger than the memfd (%lld bytes)",
+			 (unsigned long long)size, (long long)st.st_size);
+		rc = NC_EOUT_OF_RANGE;
+		goto out_close;
+	}
+	struct region *region = nc__calloc(1, sizeof(*region));
+	if (!region) {
+		snprintf(why, why_len, "out of memory");
+		rc = NC_ENOMEM;
+		goto out_close;
+	}
+	void *base = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (base == MAP_FAILED) {
+		snprintf(why, why_len, "mmap of %llu bytes failed: %s", (unsigned long long)size,
+			 strerror(errno));
+		rc = errno == ENOMEM ? NC_ERESOURCE_EXHAUSTED : NC_EINVALID_ARGUMENT;
+		nc__free(region);
+		goto out_close;
+	}
+	region->id = id;
+	region->kind = NORMD__REGION_KIND__HOST_MEMFD;
+	region->base = base;
+	region->size = size;
+	region->mapped_size = (size_t)size;
+	region->device = -1;
+	region->refs = 1;
+	live_regions++;
+	live_bytes += region->mapped_size;
+	*out = region;
+	rc = 0;
+out_close:
+	close(fd);
+	return rc;
+}

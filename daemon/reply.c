@@ -1,0 +1,187 @@
+/*
+ * Every message the daemon sends goes through these helpers: they build the
+ * envelope, pack it into a frame, count the status and queue the frame on
+ * the client. A reply that cannot be built (out of memory) closes the
+ * connection rather than leave the client waiting forever.
+ */
+#include "daemon/server.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "proto/frame.h"
+
+static void reply_send(struct client *c, Normd__Envelope *env)
+{
+	uint8_t *frame;
+	size_t len;
+	if (c->closing)
+		return;
+	/* Replies may exceed the client's frame limit only by our own mistake. */
+	int rc = nc__frame_pack(env, UINT32_MAX, &frame, &len);
+	if (rc) {
+		client_close(c, "out of memory packing a reply");
+		return;
+	}
+	client_send(c, frame, len);
+}
+
+void reply_result(struct client *c, uint64_t request_id, int status, const char *fmt, ...)
+{
+	char message[256] = "";
+	if (fmt) {
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(message, sizeof(message), fmt, ap);
+		va_end(ap);
+	}
+	if (status != NC_OK)
+		log_debug("event=refused client=%llu request=%llu status=%s message=\"%s\"",
+			  (unsigned long long)c->id, (unsigned long long)request_id,
+			  nc_status_name(status), message);
+	server_count_status(c->srv, status);
+	Normd__Result result = NORMD__RESULT__INIT;
+	result.status = nc__status_to_wire(status);
+	result.message = message;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.has_request_id = true;
+	env.request_id = request_id;
+	env.body_case = NORMD__ENVELOPE__BODY_RESULT;
+	env.result = &result;
+	reply_send(c, &env);
+}
+
+void reply_hello(struct client *c, uint64_t request_id)
+{
+	const struct config *cfg = c->srv->cfg;
+	Normd__Limits limits = NORMD__LIMITS__INIT;
+	limits.has_max_frame = limits.has_max_regions = limits.has_max_mapped_bytes = true;
+	limits.has_max_jobs_in_flight = limits.has_max_cols = true;
+	limits.max_frame = (uint32_t)cfg->max_frame;
+	limits.max_regions = (uint32_t)cfg->max_regions;
+	limits.max_mapped_bytes = cfg->max_mapped_bytes;
+	limits.max_jobs_in_flight = (uint32_t)cfg->max_jobs_in_flight;
+	limits.max_cols = cfg->max_cols;
+
+	Normd__Device cpu = NORMD__DEVICE__INIT;
+	cpu.index = -1;
+	cpu.name = "host";
+	Normd__Device *devices[] = {&cpu};
+
+	Normd__HelloReply hello = NORMD__HELLO_REPLY__INIT;
+	hello.status = NORMD__STATUS__OK;
+	hello.server_version = NORMD_VERSION;
+	hello.has_protocol_version = hello.has_backend = hello.has_server_pid = true;
+	hello.protocol_version = NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION;
+	hello.backend = c->srv->backend->kind;
+	hello.n_devices = 1;
+	hello.devices = devices;
+	hello.limits = &limits;
+	hello.server_pid = (uint32_t)getpid();
+
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.has_request_id = true;
+	env.request_id = request_id;
+	env.body_case = NORMD__ENVELOPE__BODY_HELLO_REPLY;
+	env.hello_reply = &hello;
+	server_count_status(c->srv, NC_OK);
+	reply_send(c, &env);
+}
+
+void reply_job(struct client *c, const struct job *job)
+{
+	Normd__JobReply reply = NORMD__JOB_REPLY__INIT;
+	reply.status = nc__status_to_wire(job->status);
+	reply.message = (char *)job->message;
+	if (job->variant[0])
+		reply.variant = (char *)job->variant;
+	if (job->t_start_ns) {
+		reply.has_device_us = reply.has_queue_us = true;
+		reply.device_us = (job->t_end_ns - job->t_start_ns) / 1000;
+		reply.queue_us = (job->t_start_ns - job->t_arrive_ns) / 1000;
+	}
+	if (job->args.flags & NK_MEMORY_EFFICIENT) {
+		reply.has_clamped_cols = true;
+		reply.clamped_cols = job->clamped_cols;
+	}
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.has_request_id = true;
+	env.request_id = job->request_id;
+	env.body_case = NORMD__ENVELOPE__BODY_JOB_REPLY;
+	env.job_reply = &reply;
+	server_count_status(c->srv, job->status);
+	reply_send(c, &env);
+}
+
+/* Resident set size of this process, from /proc. */
+static uint64_t reply_rss_bytes(void)
+{
+	FILE *f = fopen("/proc/self/statm", "r");
+	unsigned long long pages_total = 0, pages_rss = 0;
+	if (!f)
+		return 0;
+	if (fscanf(f, "%llu %llu", &pages_total, &pages_rss) != 2)
+		pages_rss = 0;
+	fclose(f);
+	return pages_rss * (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
+void reply_stats(struct client *c, uint64_t request_id)
+{
+	struct server *srv = c->srv;
+	Normd__StatsReply stats = NORMD__STATS_REPLY__INIT;
+	stats.has_uptime_ms = stats.has_clients = stats.has_clients_total = true;
+	stats.has_jobs_ok = stats.has_jobs_failed = stats.has_jobs_in_flight = true;
+	stats.has_regions = stats.has_mapped_bytes = stats.has_rss_bytes = true;
+	stats.has_bytes_processed = true;
+	stats.uptime_ms = (server_now_ns() - srv->start_ns) / 1000000;
+	stats.clients = srv->client_count;
+	stats.clients_total = srv->stats.clients_total;
+	stats.jobs_ok = srv->stats.jobs_ok;
+	stats.jobs_failed = srv->stats.jobs_failed;
+	stats.jobs_in_flight = srv->jobs_in_flight;
+	stats.regions = (uint32_t)region_live_count();
+	stats.mapped_bytes = region_live_bytes();
+	stats.rss_bytes = reply_rss_bytes();
+	stats.bytes_processed = srv->stats.bytes_processed;
+	stats.n_errors_by_status = NORMD__STATUS__INTERNAL + 1;
+	stats.errors_by_status = srv->stats.errors_by_status;
+	stats.backend = (char *)srv->backend->name;
+
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.has_request_id = true;
+	env.request_id = request_id;
+	env.body_case = NORMD__ENVELOPE__BODY_STATS_REPLY;
+	env.stats_reply = &stats;
+	server_count_status(srv, NC_OK);
+	reply_send(c, &env);
+}
+
+void reply_pong(struct client *c, uint64_t request_id, uint64_t nonce)
+{
+	Normd__Pong pong = NORMD__PONG__INIT;
+	pong.has_nonce = true;
+	pong.nonce = nonce;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.has_request_id = true;
+	env.request_id = request_id;
+	env.body_case = NORMD__ENVELOPE__BODY_PONG;
+	env.pong = &pong;
+	reply_send(c, &env);
+}
+
+void reply_go_away(struct client *c, int status, const char *message)
+{
+	Normd__GoAway go_away = NORMD__GO_AWAY__INIT;
+	go_away.status = nc__status_to_wire(status);
+	go_away.message = (char *)message;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.has_request_id = true;
+	env.request_id = 0;
+	env.body_case = NORMD__ENVELOPE__BODY_GO_AWAY;
+	env.go_away = &go_away;
+	reply_send(c, &env);
+}

@@ -1,0 +1,351 @@
+/*
+ * The server: the listening socket, accepting (with peer credentials and the
+ * allow lists), signals, the SIGTERM drain, the before-poll hook that frees
+ * closed clients, and the counters behind Stats.
+ */
+#include "daemon/server.h"
+
+#include <errno.h>
+#include <grp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "proto/frame.h"
+
+struct server *server_instance;
+
+uint64_t server_now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void server_count_status(struct server *srv, int status)
+{
+	Normd__Status wire = nc__status_to_wire(status);
+	if ((int)wire >= 0 && (int)wire <= NORMD__STATUS__INTERNAL)
+		srv->stats.errors_by_status[wire]++;
+}
+
+/* ---- the listening socket ------------------------------------------------------ */
+
+/* Takes a socket passed by systemd (LISTEN_FDS), if it is a listening Unix stream. */
+static int server_inherited_socket(void)
+{
+	const char *pid = getenv("LISTEN_PID"), *fds = getenv("LISTEN_FDS");
+	if (!pid || !fds || strtol(pid, NULL, 10) != (long)getpid() || strtol(fds, NULL, 10) < 1)
+		return -1;
+	int fd = 3, type = 0, listening = 0;
+	struct sockaddr_un addr;
+	socklen_t len = sizeof(type), alen = sizeof(addr);
+	if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) || type != SOCK_STREAM)
+		return -1;
+	len = sizeof(listening);
+	if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) || !listening)
+		return -1;
+	if (getsockname(fd, (struct sockaddr *)&addr, &alen) || addr.sun_family != AF_UNIX)
+		return -1;
+	unsetenv("LISTEN_PID");
+	unsetenv("LISTEN_FDS");
+	unsetenv("LISTEN_FDNAMES");
+	return fd;
+}
+
+static int server_socket_permissions(const struct config *cfg)
+{
+	if (chmod(cfg->socket, (mode_t)cfg->socket_mode) != 0) {
+		log_error("event=listen_failed path=%s error=\"chmod: %s\"", cfg->socket,
+			  strerror(errno));
+		return -1;
+	}
+	if (!cfg->socket_group[0])
+		return 0;
+	struct group *gr = getgrnam(cfg->socket_group);
+	if (!gr || chown(cfg->socket, (uid_t)-1, gr->gr_gid) != 0) {
+		log_error("event=listen_failed path=%s error=\"cannot give the socket to group %s\"",
+			  cfg->socket, cfg->socket_group);
+		return -1;
+	}
+	return 0;
+}
+
+/* Binds the configured path; refuses to steal it from a live daemon. */
+static int server_bind_socket(const struct config *cfg)
+{
+	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	if (strlen(cfg->socket) >= sizeof(addr.sun_path)) {
+		log_error("event=listen_failed path=%s error=\"path too long\"", cfg->socket);
+		return -1;
+	}
+	strcpy(addr.sun_path, cfg->socket);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -1;
+	if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) == 0) {
+		log_error("event=listen_failed path=%s error=\"another daemon is listening there\"",
+			  cfg->socket);
+		close(fd);
+		return -1;
+	}
+	unlink(cfg->socket);
+	mode_t old_mask = umask(0177); /* no window with a too-open socket */
+	int rc = bind(fd, (struct sockaddr *)&addr, sizeof(addr));
+	umask(old_mask);
+	if (rc != 0 || listen(fd, 512) != 0) {
+		log_error("event=listen_failed path=%s error=\"%s\"", cfg->socket,
+			  strerror(errno));
+		close(fd);
+		return -1;
+	}
+	if (server_socket_permissions(cfg) != 0) {
+		close(fd);
+		unlink(cfg->socket);
+		return -1;
+	}
+	return fd;
+}
+
+/* ---- accepting ------------------------------------------------------------------ */
+
+static bool id_allowed(const uint32_t *ids, int count, uint32_t id)
+{
+	for (int i = 0; i < count; i++) {
+		if (ids[i] == id)
+			return true;
+	}
+	return false;
+}
+
+static bool server_peer_allowed(const struct server *srv, const struct ucred *cred)
+{
+	if (srv->allowed_uid_count <= 0 && srv->allowed_gid_count <= 0)
+		return true;
+	return id_allowed(srv->allowed_uids, srv->allowed_uid_count, cred->uid) ||
+	       id_allowed(srv->allowed_gids, srv->allowed_gid_count, cred->gid);
+}
+
+/* Answers a connection we will not serve with one Result frame, then closes it. */
+static void server_refuse(int fd, int status, const char *message)
+{
+	Normd__Result result = NORMD__RESULT__INIT;
+	result.status = nc__status_to_wire(status);
+	result.message = (char *)message;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.body_case = NORMD__ENVELOPE__BODY_RESULT;
+	env.result = &result;
+	uint8_t *frame;
+	size_t len;
+	if (nc__frame_pack(&env, UINT32_MAX, &frame, &len) == 0) {
+		ssize_t ignored = send(fd, frame, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+		(void)ignored;
+		nc__free(frame);
+	}
+	close(fd);
+}
+
+static void server_accept_one(struct server *srv, int fd)
+{
+	struct ucred cred = {0};
+	socklen_t len = sizeof(cred);
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+		close(fd);
+		return;
+	}
+	if (!server_peer_allowed(srv, &cred)) {
+		log_warn("event=refused pid=%d uid=%d gid=%d reason=\"uid/gid not allowed\"",
+			 (int)cred.pid, (int)cred.uid, (int)cred.gid);
+		server_refuse(fd, NC_EINVALID_ARGUMENT,
+			      "permission denied: this uid/gid is not in allow_uid/allow_gid");
+		return;
+	}
+	if (srv->client_count >= srv->cfg->max_clients) {
+		log_warn("event=refused pid=%d uid=%d reason=\"max_clients reached\"", (int)cred.pid,
+			 (int)cred.uid);
+		server_refuse(fd, NC_ERESOURCE_EXHAUSTED, "max_clients reached; try again later");
+		return;
+	}
+	if (client_create(srv, fd, cred.pid, cred.uid, cred.gid) != 0) {
+		server_refuse(fd, NC_ERESOURCE_EXHAUSTED, "out of memory for a new client");
+		return;
+	}
+	log_info("event=accept client=%llu pid=%d uid=%d gid=%d",
+		 (unsigned long long)srv->next_client_id, (int)cred.pid, (int)cred.uid,
+		 (int)cred.gid);
+}
+
+static void server_on_listen(uv_poll_t *handle, int status, int events)
+{
+	struct server *srv = handle->data;
+	(void)events;
+	if (status < 0 || srv->draining)
+		return;
+	for (int i = 0; i < 64; i++) {
+		int fd = accept4(srv->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd < 0) {
+			if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
+				log_warn("event=accept_failed error=\"%s\"", strerror(errno));
+			return;
+		}
+		server_accept_one(srv, fd);
+	}
+}
+
+/* ---- the loop's housekeeping ------------------------------------------------------- */
+
+static void server_reap(uv_prepare_t *handle)
+{
+	struct server *srv = handle->data;
+	struct client *c = srv->clients;
+	while (c) {
+		struct client *next = c->next;
+		client_try_free(c);
+		c = next;
+	}
+}
+
+static void server_close_handle(uv_handle_t *handle)
+{
+	if (!uv_is_closing(handle))
+		uv_close(handle, NULL);
+}
+
+/* Closes every handle so that uv_run() returns. */
+static void server_shutdown(struct server *srv)
+{
+	if (srv->stopped)
+		return;
+	srv->stopped = true;
+	for (struct client *c = srv->clients; c; c = c->next)
+		client_close(c, "daemon shutting down");
+	server_close_handle((uv_handle_t *)&srv->listen_poll);
+	server_close_handle((uv_handle_t *)&srv->sig_term);
+	server_close_handle((uv_handle_t *)&srv->sig_int);
+	/* Workers may still post completions; the async handle lives on, unreferenced. */
+	uv_unref((uv_handle_t *)&srv->completion_async);
+	server_close_handle((uv_handle_t *)&srv->drain_timer);
+	server_close_handle((uv_handle_t *)&srv->reaper);
+}
+
+void server_drain_check(struct server *srv)
+{
+	if (!srv->draining || srv->jobs_in_flight > 0)
+		return;
+	for (struct client *c = srv->clients; c; c = c->next) {
+		if (!c->closing && c->out_head)
+			return; /* replies still on their way */
+	}
+	log_info("event=drained");
+	server_shutdown(srv);
+}
+
+static void server_on_drain_timeout(uv_timer_t *timer)
+{
+	struct server *srv = timer->data;
+	log_error("event=drain_timeout jobs_in_flight=%u", srv->jobs_in_flight);
+	srv->exit_code = 1;
+	server_shutdown(srv);
+}
+
+static void server_stop_listening(struct server *srv)
+{
+	server_close_handle((uv_handle_t *)&srv->listen_poll);
+	close(srv->listen_fd);
+	srv->listen_fd = -1;
+	if (!srv->listen_fd_inherited)
+		unlink(srv->cfg->socket);
+}
+
+static void server_on_signal(uv_signal_t *handle, int signum)
+{
+	struct server *srv = handle->data;
+	if (srv->draining)
+		return;
+	log_info("event=drain signal=%d jobs_in_flight=%u clients=%u", signum, srv->jobs_in_flight,
+		 srv->client_count);
+	srv->draining = true;
+	server_stop_listening(srv);
+	for (struct client *c = srv->clients; c; c = c->next)
+		reply_go_away(c, NC_ESHUTTING_DOWN, "the daemon is shutting down");
+	uv_timer_start(&srv->drain_timer, server_on_drain_timeout, srv->cfg->drain_timeout_ms, 0);
+	server_drain_check(srv);
+}
+
+/* ---- start and run -------------------------------------------------------------- */
+
+static int server_init_access(struct server *srv)
+{
+	srv->allowed_uid_count = config_parse_ids(srv->cfg->allow_uid, srv->allowed_uids,
+						  CONFIG_MAX_IDS);
+	srv->allowed_gid_count = config_parse_ids(srv->cfg->allow_gid, srv->allowed_gids,
+						  CONFIG_MAX_IDS);
+	if (srv->allowed_uid_count < 0 || srv->allowed_gid_count < 0) {
+		log_error("event=bad_config error=\"allow_uid/allow_gid must be comma-separated "
+			  "numbers (at most %d)\"",
+			  CONFIG_MAX_IDS);
+		return -1;
+	}
+	return 0;
+}
+
+static int server_init_handles(struct server *srv)
+{
+	uv_loop_t *loop = srv->loop;
+	if (uv_mutex_init(&srv->completion_lock) ||
+	    uv_async_init(loop, &srv->completion_async, job_drain_completions) ||
+	    uv_poll_init(loop, &srv->listen_poll, srv->listen_fd) ||
+	    uv_signal_init(loop, &srv->sig_term) || uv_signal_init(loop, &srv->sig_int) ||
+	    uv_prepare_init(loop, &srv->reaper) || uv_timer_init(loop, &srv->drain_timer))
+		return -1;
+	srv->completion_async.data = srv->listen_poll.data = srv->sig_term.data = srv;
+	srv->sig_int.data = srv->reaper.data = srv->drain_timer.data = srv;
+	uv_poll_start(&srv->listen_poll, UV_READABLE, server_on_listen);
+	uv_signal_start(&srv->sig_term, server_on_signal, SIGTERM);
+	uv_signal_start(&srv->sig_int, server_on_signal, SIGINT);
+	uv_prepare_start(&srv->reaper, server_reap);
+	return 0;
+}
+
+int server_run(const struct config *cfg, struct backend *backend)
+{
+	static struct server srv;
+	memset(&srv, 0, sizeof(srv));
+	srv.loop = uv_default_loop();
+	srv.cfg = cfg;
+	srv.backend = backend;
+	srv.start_ns = server_now_ns();
+	server_instance = &srv;
+	if (server_init_access(&srv))
+		return 1;
+	srv.listen_fd = server_inherited_socket();
+	srv.listen_fd_inherited = srv.listen_fd >= 0;
+	if (srv.listen_fd < 0)
+		srv.listen_fd = server_bind_socket(cfg);
+	if (srv.listen_fd < 0)
+		return 1;
+	if (server_init_handles(&srv)) {
+		log_error("event=init_failed error=\"libuv handles\"");
+		return 1;
+	}
+	log_info("event=listening path=%s inherited=%s backend=%s pid=%d", cfg->socket,
+		 srv.listen_fd_inherited ? "yes" : "no", backend->name, (int)getpid());
+	uv_run(srv.loop, UV_RUN_DEFAULT);
+	/* Workers finish what they hold; answer (to nobody) and free it. */
+	backend->destroy(backend);
+	srv.backend = NULL;
+	job_drain_completions(&srv.completion_async);
+	uv_close((uv_handle_t *)&srv.completion_async, NULL);
+	uv_run(srv.loop, UV_RUN_DEFAULT);
+	while (srv.clients && client_try_free(srv.clients))
+		;
+	uv_loop_close(srv.loop);
+	uv_mutex_destroy(&srv.completion_lock);
+	log_info("event=exit code=%d", srv.exit_code);
+	return srv.exit_code;
+}

@@ -1,0 +1,220 @@
+/*
+ * normd's core state: the server, its clients, their regions and jobs, and
+ * the backend interface. One libuv loop thread owns all of it; backend
+ * worker threads only touch the jobs handed to them and give them back
+ * through job_post_completion().
+ *
+ * Where things live:
+ *   server.c      listener, signals, drain, client list, stats
+ *   client.c      one connection: socket I/O, frames, output queue, lifetime
+ *   dispatch.c    what each request does
+ *   reply.c       every message the daemon sends
+ *   region.c      a connection's registered memory
+ *   job.c         job validation, submission and completion
+ *   backend_*.c   where jobs run (backend_cpu.c: host memory, threads)
+ *   config.c      the settings table; log.c logging
+ */
+#ifndef NORMD_SERVER_H
+#define NORMD_SERVER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include <uv.h>
+
+#include "daemon/config.h"
+#include "kernels/norm_kernels.h"
+#include "normclient.h"
+#include "normd.pb-c.h"
+
+#define NORMD_VERSION "0.1.0"
+#define CLIENT_MAX_PENDING_FDS 8 /* fds received but not yet claimed by a frame */
+#define JOB_MAX_TENSORS 10
+
+struct backend;
+struct client;
+struct job;
+
+/* ---- regions (region.c) ---------------------------------------------------- */
+
+struct region {
+	uint64_t id;            /* the client's name for it, unique per connection */
+	Normd__RegionKind kind;
+	void *base;             /* where the daemon reaches it */
+	uint64_t size;          /* bytes the client may name */
+	size_t mapped_size;     /* bytes mapped (HOST_MEMFD: size) */
+	int device;             /* -1: host memory */
+	unsigned refs;          /* 1 while registered + 1 per job using it */
+};
+
+/* Open-addressing table of one connection's regions, keyed by id. */
+struct region_table {
+	struct region **slots;
+	size_t capacity; /* power of two, or 0 */
+	size_t count;
+	uint64_t mapped_bytes;
+};
+
+void region_table_init(struct region_table *table);
+/* Drops the table's reference on every region; regions in use by jobs live on. */
+void region_table_clear(struct region_table *table);
+struct region *region_lookup(const struct region_table *table, uint64_t id);
+/* Maps a host memfd region; takes ownership of `fd` in every case. */
+int region_map_memfd(int fd, uint64_t id, uint64_t size, struct region **out, char *why,
+		     size_t why_len);
+int region_insert(struct region_table *table, struct region *region);
+struct region *region_remove(struct region_table *table, uint64_t id);
+void region_ref(struct region *region);
+void region_unref(struct region *region);
+/* Live regions and their mapped bytes across all connections. */
+uint64_t region_live_count(void);
+uint64_t region_live_bytes(void);
+
+/* ---- clients (client.c) ---------------------------------------------------- */
+
+/* One reply waiting to be written. */
+struct out_chunk {
+	struct out_chunk *next;
+	size_t len, sent;
+	uint8_t *bytes;
+};
+
+struct client {
+	struct server *srv;
+	struct client *prev, *next;  /* server's list */
+	uint64_t id;                 /* for logs */
+	int fd;
+	uv_poll_t poll;
+	int poll_events;             /* UV_READABLE / UV_WRITABLE currently watched */
+	pid_t pid;                   /* SO_PEERCRED at accept */
+	uid_t uid;
+	gid_t gid;
+	char name[64];               /* from Hello */
+	bool hello_done;             /* Hello accepted; other requests allowed */
+	bool closing;                /* no more input; freed when jobs and handle are done */
+	bool close_after_flush;      /* protocol violation: send what is queued, then close */
+	bool poll_closed;            /* uv_close on the poll handle has completed */
+	uint8_t *in_buf;             /* partial frame bytes */
+	size_t in_len, in_cap;
+	int pending_fds[CLIENT_MAX_PENDING_FDS]; /* SCM_RIGHTS fds, oldest first */
+	unsigned pending_fd_count;
+	struct out_chunk *out_head, *out_tail;
+	size_t out_bytes;            /* unsent bytes queued */
+	struct region_table regions;
+	unsigned jobs_in_flight;
+};
+
+/* Accepts a connected socket; the client owns `fd` from here. */
+int client_create(struct server *srv, int fd, pid_t pid, uid_t uid, gid_t gid);
+/* Stops reading and releases everything except what in-flight jobs hold. */
+void client_close(struct client *c, const char *reason);
+/* Queues one frame (takes ownership of `bytes`). Drops the client past its cap. */
+void client_send(struct client *c, uint8_t *bytes, size_t len);
+/* Hands over the oldest fd received with SCM_RIGHTS, or -1 if none waits. */
+int client_claim_fd(struct client *c);
+/* Frees a closing client once its jobs and handle are done; true if freed. */
+bool client_try_free(struct client *c);
+
+/* ---- replies (reply.c) ----------------------------------------------------- */
+
+void reply_result(struct client *c, uint64_t request_id, int status, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+void reply_hello(struct client *c, uint64_t request_id);
+void reply_job(struct client *c, const struct job *job);
+void reply_stats(struct client *c, uint64_t request_id);
+void reply_pong(struct client *c, uint64_t request_id, uint64_t nonce);
+void reply_go_away(struct client *c, int status, const char *message);
+
+/* ---- requests (dispatch.c) --------------------------------------------------- */
+
+/* Handles one decoded envelope from `c`; takes ownership of `env`. */
+void dispatch_envelope(struct client *c, Normd__Envelope *env);
+
+/* ---- jobs (job.c) ------------------------------------------------------------ */
+
+struct job {
+	struct job *next;            /* backend queue / completion queue link */
+	struct client *client;       /* counted in client->jobs_in_flight */
+	uint64_t request_id;
+	Normd__Op op;
+	struct nk_norm_args args;    /* pointers resolved into the regions below */
+	struct region *regions[JOB_MAX_TENSORS]; /* one reference each */
+	unsigned region_count;
+	uint64_t bytes;              /* bytes the job reads and writes */
+	uint64_t deadline_us;
+	uint64_t t_arrive_ns, t_start_ns, t_end_ns;
+	int status;                  /* NC_OK or NC_E*, set by the backend */
+	char message[160];
+	char variant[64];
+	uint32_t clamped_cols;
+};
+
+/* Validates `msg` against c's regions and submits it; always answers. */
+void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg);
+/* Called by backends from any thread when a job has run (or failed). */
+void job_post_completion(struct job *job);
+/* The loop's uv_async callback: answers every completed job. */
+void job_drain_completions(uv_async_t *async);
+
+/* ---- backends ---------------------------------------------------------------- */
+
+struct backend {
+	const char *name;            /* "cpu" or "cuda" */
+	Normd__BackendKind kind;
+	/* Queues the job; the backend later calls job_post_completion(). */
+	int (*submit)(struct backend *backend, struct job *job);
+	/* Stops the workers after the queued jobs are done, and frees. */
+	void (*destroy)(struct backend *backend);
+};
+
+int backend_cpu_create(const struct config *cfg, struct backend **out);
+
+/* ---- the server (server.c) --------------------------------------------------- */
+
+/* Counters reported by Stats. */
+struct server_stats {
+	uint64_t clients_total;
+	uint64_t jobs_ok;
+	uint64_t jobs_failed;
+	uint64_t bytes_processed;
+	uint64_t errors_by_status[NORMD__STATUS__INTERNAL + 1];
+};
+
+struct server {
+	uv_loop_t *loop;
+	const struct config *cfg;
+	struct backend *backend;
+	int listen_fd;
+	bool listen_fd_inherited;    /* from systemd: do not unlink the path */
+	uv_poll_t listen_poll;
+	uv_signal_t sig_term, sig_int;
+	uv_prepare_t reaper;         /* frees closing clients before each poll */
+	uv_async_t completion_async; /* workers -> loop: completed jobs */
+	uv_mutex_t completion_lock;
+	struct job *completed_head, *completed_tail;
+	uv_timer_t drain_timer;
+	struct client *clients;      /* all connections, closing ones included */
+	unsigned client_count;       /* open (not closing) connections */
+	unsigned jobs_in_flight;     /* across all clients */
+	uint64_t next_client_id;
+	uint64_t start_ns;
+	bool draining;               /* SIGTERM seen: no new work */
+	bool stopped;                /* every handle is closing; uv_run is ending */
+	int exit_code;
+	uint32_t allowed_uids[CONFIG_MAX_IDS], allowed_gids[CONFIG_MAX_IDS];
+	int allowed_uid_count, allowed_gid_count; /* -1/0: no restriction */
+	struct server_stats stats;
+};
+
+/* The one server of this process (the loop thread's). */
+extern struct server *server_instance;
+
+int server_run(const struct config *cfg, struct backend *backend);
+/* Counts a reply status in the stats. */
+void server_count_status(struct server *srv, int status);
+/* Re-checks whether a drain has finished. */
+void server_drain_check(struct server *srv);
+uint64_t server_now_ns(void);
+
+#endif /* NORMD_SERVER_H */

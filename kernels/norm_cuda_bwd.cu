@@ -1,0 +1,244 @@
+/*
+ * LayerNorm and RMSNorm backward, tiled family (norm_cuda_internal.cuh).
+ *
+ * With g = dy * gamma and xh = x_hat, one pass over a row computes
+ *   LN:  dx = rstd * (g - mean(g) - xh * mean(g * xh))
+ *   RMS: dx = rstd * (g - xh * mean(g * xh))
+ * from x (or, memory-efficient, y: xh = (y - beta) / clamp(gamma)) and dy,
+ * both read from device memory once into registers (the next row's loads are
+ * issued before this row's reduction). Each thread also sums dy * xh and dy
+ * over the rows it sees into fp32 registers; at the end every row group
+ * writes them as one partial row to the workspace, and launch_finish()
+ * (norm_cuda_generic.cu) sums the partial rows in a fixed order. The grid has
+ * min(row groups, units_cap) groups, a rule of the shape and the variant
+ * alone, so dgamma/dbeta do not depend on the device or on timing.
+ *
+ * Built by `make` (nvcc -O3, sm_80 and sm_90 machine code plus compute_90
+ * PTX); instantiated for the five (x, weight) dtype pairs and NV in
+ * {1, 2} (more vectors a thread spill registers). Timed by
+ * bench/bench_norm.c with CUDA events against the device's copy bandwidth.
+ */
+#include "kernels/norm_cuda_internal.cuh"
+
+namespace nkc {
+namespace {
+
+/* Loads the NV vectors of x (or y) and dy of one row; missing ones are zero. */
+template <typename T, int NV>
+__device__ __forceinline__ void load_row(const Params &p, int64_t row, bool valid, const int *vi,
+					 uint4 *x, uint4 *dy)
+{
+	const int64_t off = (valid ? row : 0) * p.cols;
+	const uint4 *bx = reinterpret_cast<const uint4 *>(static_cast<const T *>(p.x) + off);
+	const uint4 *bd = reinterpret_cast<const uint4 *>(static_cast<const T *>(p.dy) + off);
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		x[j] = make_uint4(0, 0, 0, 0);
+		dy[j] = make_uint4(0, 0, 0, 0);
+		if (valid && vi[j] < p.nvec) {
+			x[j] = __ldcs(bx + vi[j]);
+			dy[j] = __ldcs(bd + vi[j]);
+		}
+	}
+}
+
+/* Per-row scalars: rstd and (standard LayerNorm) mean. */
+struct RowStats {
+	float mean;
+	float rstd;
+};
+
+__device__ __forceinline__ RowStats load_stats(const Params &p, int64_t row, bool valid)
+{
+	RowStats r = {0.0f, 0.0f};
+	if (valid) {
+		r.rstd = p.rstd[row];
+		if ((p.f & F_LN) && !(p.f & F_MEMEFF))
+			r.mean = p.mean[row];
+	}
+	return r;
+}
+
+/*
+ * xh and g = dy * gamma of one vector. Vectors past the row end come in as
+ * zeros and leave zeros (g = 0), so they add nothing to any sum.
+ */
+template <typename T, typename W>
+__device__ __forceinline__ void vector_terms(const Params &p, uint4 xr, uint4 dyr, int col,
+					     bool present, RowStats st, float *xh, float *dy,
+					     float *g)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	float x[VEC], gm[VEC], bt[VEC];
+	unpack<T>(xr, x);
+	unpack<T>(dyr, dy);
+#pragma unroll
+	for (int i = 0; i < VEC; i++) {
+		gm[i] = 1.0f;
+		bt[i] = 0.0f;
+	}
+	if (present && (p.f & F_GAMMA))
+		load_weights<VEC>(static_cast<const W *>(p.gamma) + col, gm);
+	if (p.f & F_MEMEFF) {
+		if (present && (p.f & F_BETA))
+			load_weights<VEC>(static_cast<const W *>(p.beta) + col, bt);
+#pragma unroll
+		for (int i = 0; i < VEC; i++)
+			xh[i] = divide(x[i] - bt[i], clamp_magnitude(gm[i], p.eps));
+	} else {
+#pragma unroll
+		for (int i = 0; i < VEC; i++)
+			xh[i] = (x[i] - st.mean) * st.rstd;
+	}
+#pragma unroll
+	for (int i = 0; i < VEC; i++)
+		g[i] = dy[i] * gm[i];
+}
+
+/* Writes a thread's dgamma/dbeta sums as partial row `prow`. */
+template <int NV, int VEC>
+__device__ __forceinline__ void write_partials(const Params &p, int64_t prow, const int *vi,
+					       const float *ag, const float *ab)
+{
+	float *pg = p.part + prow * p.cols;
+	float *pb = p.part + (p.part_rows + prow) * p.cols;
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		if (vi[j] >= p.nvec)
+			continue;
+#pragma unroll
+		for (int c = 0; c < VEC / 4; c++) {
+			const float *a = ag + j * VEC + 4 * c;
+			const float *b = ab + j * VEC + 4 * c;
+			if (p.f & F_DGAMMA)
+				reinterpret_cast<float4 *>(pg + vi[j] * VEC)[c] =
+					make_float4(a[0], a[1], a[2], a[3]);
+			if (p.f & F_DBETA)
+				reinterpret_cast<float4 *>(pb + vi[j] * VEC)[c] =
+					make_float4(b[0], b[1], b[2], b[3]);
+		}
+	}
+}
+
+template <typename T, typename W, int NV>
+__global__ void __launch_bounds__(MAX_THREADS) bwd_tiled(const Params p)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	constexpr int E = NV * VEC;
+	__shared__ RedSmem sm;
+	const int g = threadIdx.x / p.G, t = threadIdx.x % p.G;
+	const int rank = cluster_rank(p.K);
+	const int64_t first = blockIdx.x / p.K, stride = gridDim.x / p.K;
+	const int64_t iters = p.iters;
+	const bool sums = p.f & (F_DGAMMA | F_DBETA);
+	int vi[NV];
+	uint4 cx[NV], cd[NV];
+	float ag[E], ab[E];
+	int parity = 0;
+
+#pragma unroll
+	for (int j = 0; j < NV; j++)
+		vi[j] = (j * p.K + rank) * p.G + t;
+#pragma unroll
+	for (int e = 0; e < E; e++) {
+		ag[e] = 0.0f;
+		ab[e] = 0.0f;
+	}
+	bool cvalid = first < iters && first * p.R + g < p.rows;
+	load_row<T, NV>(p, first * p.R + g, cvalid, vi, cx, cd);
+	RowStats cst = load_stats(p, first * p.R + g, cvalid);
+	for (int64_t it = first; it < iters; it += stride) {
+		const int64_t row = it * p.R + g, next = (it + stride) * p.R + g;
+		const bool valid = row < p.rows;
+		const bool nvalid = it + stride < iters && next < p.rows;
+		uint4 nx[NV], nd[NV];
+		float s[2] = {0.0f, 0.0f};
+
+		load_row<T, NV>(p, next, nvalid, vi, nx, nd);
+		RowStats nst = load_stats(p, next, nvalid);
+#pragma unroll
+		for (int j = 0; j < NV; j++) {
+			float xh[VEC], dy[VEC], gg[VEC];
+			vector_terms<T, W>(p, cx[j], cd[j], vi[j] * VEC, vi[j] < p.nvec, cst, xh,
+					   dy, gg);
+#pragma unroll
+			for (int i = 0; i < VEC; i++) {
+				s[0] += gg[i];
+				s[1] += gg[i] * xh[i];
+			}
+			if (sums && valid) {
+#pragma unroll
+				for (int i = 0; i < VEC; i++) {
+					ag[j * VEC + i] += dy[i] * xh[i];
+					ab[j * VEC + i] += dy[i];
+				}
+			}
+		}
+		group_reduce<SumOp<2>>(s, p.G, p.K, sm, parity);
+		const float m1 = (p.f & F_LN) ? s[0] * p.inv_cols : 0.0f, m2 = s[1] * p.inv_cols;
+		uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.dx) + row * p.cols);
+		Params q = p; /* the same job, its weights reloaded rather than kept */
+		q.gamma = launder(q.gamma);
+		q.beta = launder(q.beta);
+#pragma unroll
+		for (int j = 0; j < NV; j++) {
+			if (!valid || vi[j] >= p.nvec)
+				continue;
+			float xh[VEC], dy[VEC], gg[VEC], dx[VEC];
+			launder(cx[j]);
+			launder(cd[j]);
+			vector_terms<T, W>(q, cx[j], cd[j], vi[j] * VEC, true, cst, xh, dy, gg);
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				dx[i] = cst.rstd * (gg[i] - m1 - xh[i] * m2);
+			__stcs(out + vi[j], pack<T>(dx));
+		}
+#pragma unroll
+		for (int j = 0; j < NV; j++) {
+			cx[j] = nx[j];
+			cd[j] = nd[j];
+		}
+		cst = nst;
+		parity ^= 1;
+	}
+	if (sums)
+		write_partials<NV, VEC>(p, first * p.R + g, vi, ag, ab);
+	cluster_done(p.K);
+}
+
+template <typename T, typename W, int NV>
+int run(const Params &p, const Shape &s, cudaStream_t stream)
+{
+	int64_t units = (p.rows + s.R - 1) / s.R;
+
+	if (units > s.units_cap)
+		units = s.units_cap;
+	cudaError_t err =
+		launch_kernel(bwd_tiled<T, W, NV>, units * s.K, s.threads, s.K, stream, p);
+	return err == cudaSuccess ? NK_OK : set_error(err, "backward kernel launch");
+}
+
+} /* namespace */
+
+int launch_bwd_tiled(const struct nk_norm_args *a, const Shape &s, float *part,
+		     cudaStream_t stream)
+{
+	Params p = params_of(a);
+	p.G = s.G;
+	p.K = s.K;
+	p.R = s.R;
+	p.iters = (a->rows + s.R - 1) / s.R;
+	p.part = part;
+	p.part_rows = partial_rows(a, s);
+	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
+		using T = decltype(tt);
+		using W = decltype(wt);
+		constexpr int VEC = 16 / sizeof(T);
+		p.nvec = (int)(a->cols / VEC);
+		return with_nv<BWD_MAX_NV * VEC, VEC>(s.NV, [&](auto nv) {
+			return run<T, W, decltype(nv)::value>(p, s, stream);
+		});
+	});
+}
+
+} /* namespace nkc */

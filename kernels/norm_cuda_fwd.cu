@@ -1,0 +1,200 @@
+/*
+ * LayerNorm and RMSNorm forward, tiled family (norm_cuda_internal.cuh).
+ *
+ * A group of G threads owns a row; thread t of the group holds vectors
+ * (j * K + rank) * G + t, j < NV, of the row in registers (16-byte loads that
+ * bypass L1 as streaming data), so x is read from device memory exactly once.
+ * LayerNorm statistics come from one reduction of per-thread (count, mean,
+ * M2) triples merged with Chan's formula, which is as robust as two passes;
+ * RMSNorm reduces the sum of squares. While a row is reduced, the next row
+ * the group owns is already being loaded. The grid is persistent: as many
+ * blocks as are resident on the device, striding over row groups.
+ *
+ * Built by `make` (nvcc -O3, sm_80 and sm_90 machine code plus compute_90
+ * PTX); instantiated for the five (x, weight) dtype pairs and NV in
+ * {1, 2, 4, 8} with NV * VEC <= 32 elements a thread. Timed by
+ * bench/bench_norm.c with CUDA events against the device's copy bandwidth.
+ */
+#include "kernels/norm_cuda_internal.cuh"
+
+namespace nkc {
+namespace {
+
+/* Loads the NV vectors of one row a thread owns; missing ones are zero. */
+template <typename T, int NV>
+__device__ __forceinline__ void load_row(const Params &p, int64_t row, bool valid, const int *vi,
+					 uint4 *out)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	const uint4 *base = reinterpret_cast<const uint4 *>(static_cast<const T *>(p.x) +
+							    (valid ? row : 0) * p.cols);
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		out[j] = make_uint4(0, 0, 0, 0);
+		if (valid && vi[j] < p.nvec)
+			out[j] = __ldcs(base + vi[j]);
+	}
+	(void)VEC;
+}
+
+/* This thread's statistics of a row, reduced over its row group. */
+template <typename T, int NV>
+__device__ __forceinline__ void row_stats(const Params &p, const float *x, const int *vi,
+					  RedSmem &sm, int parity, float *mean, float *rstd)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	if (!(p.f & F_LN)) {
+		float q[1] = {0.0f};
+#pragma unroll
+		for (int e = 0; e < NV * VEC; e++)
+			q[0] += x[e] * x[e];
+		group_reduce<SumOp<1>>(q, p.G, p.K, sm, parity);
+		*mean = 0.0f;
+		*rstd = rsqrtf(q[0] * p.inv_cols + p.eps);
+		return;
+	}
+	float s = 0.0f, n = 0.0f;
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		if (vi[j] < p.nvec) {
+			n += (float)VEC;
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				s += x[j * VEC + i];
+		}
+	}
+	float w[3] = {n, n > 0.0f ? __fdividef(s, n) : 0.0f, 0.0f};
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		if (vi[j] < p.nvec) {
+#pragma unroll
+			for (int i = 0; i < VEC; i++) {
+				float d = x[j * VEC + i] - w[1];
+				w[2] += d * d;
+			}
+		}
+	}
+	group_reduce<WelfordOp>(w, p.G, p.K, sm, parity);
+	*mean = w[1];
+	*rstd = rsqrtf(w[2] * p.inv_cols + p.eps);
+}
+
+/* y of the NV vectors a thread owns, rounded once and streamed out. */
+template <typename T, typename W, int NV>
+__device__ __forceinline__ void write_row(const Params &p, int64_t row, const float *x,
+					  const int *vi, float mean, float rstd)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.y) + row * p.cols);
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		if (vi[j] >= p.nvec)
+			continue;
+		float g[VEC], b[VEC], y[VEC];
+		if (p.f & F_GAMMA) {
+			load_weights<VEC>(static_cast<const W *>(p.gamma) + vi[j] * VEC, g);
+		} else {
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				g[i] = 1.0f;
+		}
+		if (p.f & F_BETA) {
+			load_weights<VEC>(static_cast<const W *>(p.beta) + vi[j] * VEC, b);
+		} else {
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				b[i] = 0.0f;
+		}
+#pragma unroll
+		for (int i = 0; i < VEC; i++)
+			y[i] = (x[j * VEC + i] - mean) * rstd * g[i] + b[i];
+		__stcs(out + vi[j], pack<T>(y));
+	}
+}
+
+template <typename T, typename W, int NV>
+__global__ void __launch_bounds__(MAX_THREADS) fwd_tiled(const Params p)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	__shared__ RedSmem sm;
+	const int g = threadIdx.x / p.G, t = threadIdx.x % p.G;
+	const int rank = cluster_rank(p.K);
+	const int64_t first = blockIdx.x / p.K, stride = gridDim.x / p.K;
+	const int64_t iters = p.iters;
+	int vi[NV];
+	uint4 cur[NV];
+	int parity = 0;
+
+#pragma unroll
+	for (int j = 0; j < NV; j++)
+		vi[j] = (j * p.K + rank) * p.G + t;
+	load_row<T, NV>(p, first * p.R + g, first < iters && first * p.R + g < p.rows, vi, cur);
+	for (int64_t it = first; it < iters; it += stride) {
+		const int64_t row = it * p.R + g, next = (it + stride) * p.R + g;
+		const bool valid = row < p.rows;
+		uint4 nxt[NV];
+		float x[NV * VEC], mean, rstd;
+
+		load_row<T, NV>(p, next, it + stride < iters && next < p.rows, vi, nxt);
+#pragma unroll
+		for (int j = 0; j < NV; j++)
+			unpack<T>(cur[j], x + j * VEC);
+		row_stats<T, NV>(p, x, vi, sm, parity, &mean, &rstd);
+		/* Unpack again rather than keep the floats across the barrier. */
+#pragma unroll
+		for (int j = 0; j < NV; j++) {
+			launder(cur[j]);
+			unpack<T>(cur[j], x + j * VEC);
+		}
+		if (valid) {
+			write_row<T, W, NV>(p, row, x, vi, mean, rstd);
+			if (t == 0 && rank == 0 && p.mean)
+				p.mean[row] = mean;
+			if (t == 0 && rank == 0 && p.rstd)
+				p.rstd[row] = rstd;
+		}
+#pragma unroll
+		for (int j = 0; j < NV; j++)
+			cur[j] = nxt[j];
+		parity ^= 1;
+	}
+	cluster_done(p.K);
+}
+
+template <typename T, typename W, int NV>
+int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaStream_t stream)
+{
+	constexpr auto kern = fwd_tiled<T, W, NV>;
+	int64_t units = (p.rows + s.R - 1) / s.R;
+	int64_t resident = (int64_t)dev->sm_count * resident_blocks<kern>(s.threads) / s.K;
+
+	if (resident < 1)
+		resident = 1;
+	if (units > resident)
+		units = resident;
+	cudaError_t err = launch_kernel(kern, units * s.K, s.threads, s.K, stream, p);
+	return err == cudaSuccess ? NK_OK : set_error(err, "forward kernel launch");
+}
+
+} /* namespace */
+
+int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev,
+		     const Shape &s, cudaStream_t stream)
+{
+	Params p = params_of(a);
+	p.G = s.G;
+	p.K = s.K;
+	p.R = s.R;
+	p.iters = (a->rows + s.R - 1) / s.R;
+	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
+		using T = decltype(tt);
+		using W = decltype(wt);
+		constexpr int VEC = 16 / sizeof(T);
+		p.nvec = (int)(a->cols / VEC);
+		return with_nv<FWD_MAX_ELEMS, VEC>(s.NV, [&](auto nv) {
+			return run<T, W, decltype(nv)::value>(p, dev, s, stream);
+		});
+	});
+}
+
+} /* namespace nkc */

@@ -1,0 +1,447 @@
+/*
+ * Private to kernels/norm_cuda_*.cu: what the CUDA launchers share.
+ *
+ * The kernels come in two families:
+ *   - tiled (NK_FAMILY_WARP_ROWS, NK_FAMILY_BLOCK_ROW): a group of G threads
+ *     owns one row; each thread keeps NV 16-byte vectors of the row in
+ *     registers, so the row is read from device memory once. G <= 32 is a
+ *     piece of a warp (a block then holds R = threads / G rows at a time);
+ *     G > 32 is a whole block, and on sm_90 a thread-block cluster of K
+ *     blocks may share one row, exchanging partial sums through distributed
+ *     shared memory. Needs 16-byte aligned tensors and cols % VEC == 0.
+ *   - generic (NK_FAMILY_GENERIC): scalar loads, several passes over a row
+ *     (the later ones hit L2); any cols, any alignment.
+ * Backward writes per-row-group dgamma/dbeta partials (fp32) to the
+ * workspace; reduce_partials() sums them in a fixed order. How many partial
+ * rows there are depends on the shape and the variant only, never on the
+ * device, so the weight gradients are bit-identical on every run and GPU.
+ */
+#ifndef NORMD_NORM_CUDA_INTERNAL_CUH
+#define NORMD_NORM_CUDA_INTERNAL_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/norm_kernels.h"
+
+namespace nkc {
+
+/* Bits of Params::f. */
+enum : unsigned {
+	F_LN = 1u << 0,     /* LayerNorm (else RMSNorm) */
+	F_MEMEFF = 1u << 1, /* backward reads y and recomputes x_hat */
+	F_GAMMA = 1u << 2,
+	F_BETA = 1u << 3,
+	F_DGAMMA = 1u << 4,
+	F_DBETA = 1u << 5,
+	F_ACCUM = 1u << 6, /* dgamma/dbeta += */
+};
+
+/* Everything a kernel needs, passed by value. */
+struct Params {
+	const void *x; /* x, or y for memory-efficient backward */
+	void *y;
+	float *mean;
+	float *rstd;
+	const void *gamma;
+	const void *beta;
+	const void *dy;
+	void *dx;
+	float *part;       /* [2][part_rows][cols] dgamma, then dbeta partials */
+	int64_t part_rows; /* partial rows of each weight gradient */
+	int64_t rows;
+	int64_t cols;
+	int64_t iters;    /* ceil(rows / R): row groups, computed on the host */
+	int64_t part_per; /* generic dgamma: rows per partial chunk */
+	float eps;
+	float inv_cols; /* 1 / cols, rounded once from double */
+	unsigned f;
+	int G;    /* threads per row (per block of a cluster) */
+	int K;    /* blocks per cluster sharing a row */
+	int R;    /* rows a block holds at a time */
+	int nvec; /* 16-byte vectors per row (tiled family) */
+};
+
+/* Decoded launch shape of a variant. */
+struct Shape {
+	int family;
+	int threads;
+	int R;
+	int G;
+	int NV;
+	int K;
+	int units_cap; /* backward: most row groups (clusters) in the grid */
+};
+
+/* The variant param word: NV | K << 8 | units_cap << 16. */
+static inline uint32_t shape_param(int nv, int k, int cap)
+{
+	return (uint32_t)nv | (uint32_t)k << 8 | (uint32_t)cap << 16;
+}
+
+Shape shape_of(const struct nk_variant *v);
+
+/* Partial rows (per weight gradient) a backward job writes. */
+int64_t partial_rows(const struct nk_norm_args *a, const Shape &s);
+
+/* Records a CUDA error for nk_cuda_last_error() and returns NK_EDEVICE. */
+int set_error(cudaError_t err, const char *where);
+/* Checks the launch just made; NK_OK or NK_EDEVICE. */
+int check_launch(const char *where);
+
+/* Launchers (norm_cuda_fwd.cu, norm_cuda_bwd.cu, norm_cuda_generic.cu). */
+int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev,
+		     const Shape &s, cudaStream_t stream);
+int launch_bwd_tiled(const struct nk_norm_args *a, const Shape &s, float *part,
+		     cudaStream_t stream);
+int launch_fwd_generic(const struct nk_norm_args *a, const struct nk_device_info *dev,
+		       const Shape &s, cudaStream_t stream);
+int launch_bwd_generic(const struct nk_norm_args *a, const struct nk_device_info *dev,
+		       const Shape &s, float *part, cudaStream_t stream);
+/* Sums partials into dgamma/dbeta and counts clamped gamma entries. */
+int launch_finish(const struct nk_norm_args *a, const float *part, int64_t part_rows,
+		  uint32_t *clamped_cols, cudaStream_t stream);
+
+/* Fills Params from a job. */
+Params params_of(const struct nk_norm_args *a);
+
+/* ---- device helpers -------------------------------------------------------- */
+
+__device__ __forceinline__ float to_f(float v)
+{
+	return v;
+}
+__device__ __forceinline__ float to_f(__half v)
+{
+	return __half2float(v);
+}
+__device__ __forceinline__ float to_f(__nv_bfloat16 v)
+{
+	return __bfloat162float(v);
+}
+
+template <typename S> __device__ __forceinline__ S from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v)
+{
+	return v;
+}
+template <> __device__ __forceinline__ __half from_f<__half>(float v)
+{
+	return __float2half_rn(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v)
+{
+	return __float2bfloat16_rn(v);
+}
+
+/* Unpacks the 16 bytes of `u` into 16 / sizeof(S) floats. */
+template <typename S> __device__ __forceinline__ void unpack(uint4 u, float *f)
+{
+	constexpr int PER = 16 / sizeof(S);
+	union {
+		uint4 u;
+		S s[PER];
+	} b;
+	b.u = u;
+#pragma unroll
+	for (int i = 0; i < PER; i++)
+		f[i] = to_f(b.s[i]);
+}
+
+/* Packs 16 / sizeof(S) floats, rounded once, into 16 bytes. */
+template <typename S> __device__ __forceinline__ uint4 pack(const float *f)
+{
+	constexpr int PER = 16 / sizeof(S);
+	union {
+		uint4 u;
+		S s[PER];
+	} b;
+#pragma unroll
+	for (int i = 0; i < PER; i++)
+		b.s[i] = from_f<S>(f[i]);
+	return b.u;
+}
+
+/* N elements of S at p (16-byte aligned) into floats, through L1. */
+template <int N, typename S> __device__ __forceinline__ void load_weights(const S *p, float *f)
+{
+	constexpr int PER = 16 / sizeof(S);
+	static_assert(N % PER == 0, "whole vectors only");
+#pragma unroll
+	for (int c = 0; c < N / PER; c++)
+		unpack<S>(__ldg(reinterpret_cast<const uint4 *>(p) + c), f + c * PER);
+}
+
+/*
+ * Hides a value from the optimizer, so that work recomputed from it after a
+ * barrier is recomputed (cheap) instead of kept live across the barrier in
+ * registers (which costs occupancy or spills).
+ */
+__device__ __forceinline__ void launder(uint4 &u)
+{
+	asm volatile("" : "+r"(u.x), "+r"(u.y), "+r"(u.z), "+r"(u.w));
+}
+template <typename P> __device__ __forceinline__ P *launder(P *ptr)
+{
+	asm volatile("" : "+l"(ptr));
+	return ptr;
+}
+
+/* apex's clamp_by_magnitude: |g| < eps becomes +-eps, 0 becomes +eps. */
+__device__ __forceinline__ float clamp_magnitude(float g, float eps)
+{
+	return g >= 0.0f ? (g < eps ? eps : g) : (g > -eps ? -eps : g);
+}
+
+/*
+ * a / b. The fast division (2 ulp) where b is in its range, IEEE division
+ * otherwise; keeps the IEEE slow path, and its register saves, off the
+ * common path.
+ */
+__device__ __forceinline__ float divide(float a, float b)
+{
+	float m = fabsf(b);
+	if (m >= 0x1p-125f && m <= 0x1p125f)
+		return __fdividef(a, b);
+	return a / b;
+}
+
+/* Per-block scratch of the group reductions, double-buffered by row parity. */
+struct RedSmem {
+	float warp[2][32][3];
+	float cta[2][3];
+};
+
+/* Sums of N values. */
+template <int N> struct SumOp {
+	static constexpr int n = N;
+	__device__ __forceinline__ static void merge(float *a, const float *b)
+	{
+#pragma unroll
+		for (int i = 0; i < N; i++)
+			a[i] += b[i];
+	}
+};
+
+/* Chan's merge of (count, mean, M2) triples; a is the lower-ranked part. */
+struct WelfordOp {
+	static constexpr int n = 3;
+	__device__ __forceinline__ static void merge(float *a, const float *b)
+	{
+		float cnt = a[0] + b[0];
+		if (b[0] == 0.0f)
+			return;
+		if (a[0] == 0.0f) {
+			a[0] = b[0];
+			a[1] = b[1];
+			a[2] = b[2];
+			return;
+		}
+		float d = b[1] - a[1];
+		float r = __fdividef(b[0], cnt); /* counts are small integers */
+		a[1] += d * r;
+		a[2] += b[2] + d * d * a[0] * r;
+		a[0] = cnt;
+	}
+};
+
+/*
+ * The cluster level of group_reduce: every block publishes its value, and
+ * every thread merges the K values in rank order. sm_90 only; the launchers
+ * never ask for K > 1 elsewhere.
+ */
+template <class Op>
+__device__ __forceinline__ void cluster_reduce(float *v, int K, RedSmem &sm, int parity)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+	cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+	if (threadIdx.x == 0) {
+#pragma unroll
+		for (int i = 0; i < Op::n; i++)
+			sm.cta[parity][i] = v[i];
+	}
+	cl.sync();
+	const float *r0 = cl.map_shared_rank(&sm.cta[parity][0], 0);
+#pragma unroll
+	for (int i = 0; i < Op::n; i++)
+		v[i] = r0[i];
+	for (int r = 1; r < K; r++) {
+		float o[Op::n];
+		const float *rr = cl.map_shared_rank(&sm.cta[parity][0], r);
+#pragma unroll
+		for (int i = 0; i < Op::n; i++)
+			o[i] = rr[i];
+		Op::merge(v, o);
+	}
+#else
+	(void)v;
+	(void)K;
+	(void)sm;
+	(void)parity;
+	__trap();
+#endif
+}
+
+/* Keeps a block's shared memory alive until its cluster peers are done. */
+__device__ __forceinline__ void cluster_done(int K)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+	if (K > 1)
+		cooperative_groups::this_cluster().sync();
+#else
+	(void)K;
+#endif
+}
+
+/* The rank of this block in its cluster (1-D grids, K blocks a cluster). */
+__device__ __forceinline__ int cluster_rank(int K)
+{
+	return K > 1 ? (int)(blockIdx.x % (unsigned)K) : 0;
+}
+
+/*
+ * Reduces v over the G threads of a row group (and the K blocks of a
+ * cluster). Every thread of the group ends with the same bits: partners
+ * always merge lower-ranked part first, so the order is fixed. `parity`
+ * alternates per row so that one barrier per level suffices.
+ */
+template <class Op>
+__device__ __forceinline__ void group_reduce(float *v, int G, int K, RedSmem &sm, int parity)
+{
+	constexpr int N = Op::n;
+	const int width = G < 32 ? G : 32;
+	for (int off = 1; off < width; off <<= 1) {
+		float o[N];
+#pragma unroll
+		for (int i = 0; i < N; i++)
+			o[i] = __shfl_xor_sync(0xffffffffu, v[i], off);
+		if (threadIdx.x & off) {
+			Op::merge(o, v);
+#pragma unroll
+			for (int i = 0; i < N; i++)
+				v[i] = o[i];
+		} else {
+			Op::merge(v, o);
+		}
+	}
+	if (G > 32) {
+		const int warp = threadIdx.x >> 5;
+		const int first = (threadIdx.x / G) * (G >> 5);
+		if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+			for (int i = 0; i < N; i++)
+				sm.warp[parity][warp][i] = v[i];
+		}
+		__syncthreads();
+#pragma unroll
+		for (int i = 0; i < N; i++)
+			v[i] = sm.warp[parity][first][i];
+		for (int k = 1; k < (G >> 5); k++)
+			Op::merge(v, sm.warp[parity][first + k]);
+	}
+	if (K > 1)
+		cluster_reduce<Op>(v, K, sm, parity);
+}
+
+/* ---- host helpers ------------------------------------------------------------ */
+
+/* Launches kern(p) on a 1-D grid, as clusters of K blocks when K > 1. */
+template <typename Kern>
+static inline cudaError_t launch_kernel(Kern kern, int64_t grid, int threads, int K,
+					cudaStream_t stream, const Params &p)
+{
+	cudaLaunchConfig_t cfg = {};
+	cudaLaunchAttribute attr[1];
+
+	cfg.gridDim = dim3((unsigned)grid);
+	cfg.blockDim = dim3((unsigned)threads);
+	cfg.stream = stream;
+	if (K > 1) {
+		attr[0].id = cudaLaunchAttributeClusterDimension;
+		attr[0].val.clusterDim.x = (unsigned)K;
+		attr[0].val.clusterDim.y = 1;
+		attr[0].val.clusterDim.z = 1;
+		cfg.attrs = attr;
+		cfg.numAttrs = 1;
+	}
+	return cudaLaunchKernelEx(&cfg, kern, p);
+}
+
+/*
+ * Resident blocks of `threads` threads per multiprocessor, asked once per
+ * kernel and block size (the answer only sizes grids, so a stale value on a
+ * second, different GPU costs speed, never correctness).
+ */
+template <auto kern> static inline int resident_blocks(int threads)
+{
+	static int cache[17]; /* by threads / 32; 0 = not asked yet */
+	int slot = threads / 32 <= 16 ? threads / 32 : 16;
+	int n = __atomic_load_n(&cache[slot], __ATOMIC_RELAXED);
+
+	if (n > 0)
+		return n;
+	if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, threads, 0) != cudaSuccess ||
+	    n < 1) {
+		(void)cudaGetLastError();
+		n = 1;
+	}
+	__atomic_store_n(&cache[slot], n, __ATOMIC_RELAXED);
+	return n;
+}
+
+/* Calls f(T(), W()) with the storage types of a job. */
+template <class F> static inline int with_types(int dtype, int wdtype, F &&f)
+{
+	bool wf32 = wdtype == NK_F32;
+	switch (dtype) {
+	case NK_F32:
+		return f(float(), float());
+	case NK_F16:
+		return wf32 ? f(__half(), float()) : f(__half(), __half());
+	case NK_BF16:
+		return wf32 ? f(__nv_bfloat16(), float()) : f(__nv_bfloat16(), __nv_bfloat16());
+	}
+	return NK_EUNSUPPORTED;
+}
+
+template <int N> struct Int {
+	static constexpr int value = N;
+};
+
+/* Calls f(Int<nv>()) for nv in {1, 2, 4, 8} with nv * VEC <= MAXE. */
+template <int MAXE, int VEC, class F> static inline int with_nv(int nv, F &&f)
+{
+	switch (nv) {
+	case 1:
+		return f(Int<1>());
+	case 2:
+		if constexpr (2 * VEC <= MAXE)
+			return f(Int<2>());
+		break;
+	case 4:
+		if constexpr (4 * VEC <= MAXE)
+			return f(Int<4>());
+		break;
+	case 8:
+		if constexpr (8 * VEC <= MAXE)
+			return f(Int<8>());
+		break;
+	}
+	return NK_EUNSUPPORTED;
+}
+
+/*
+ * What a tiled thread holds: forward up to 32 elements, backward (which also
+ * keeps dgamma/dbeta sums) up to 2 vectors; more spills registers.
+ */
+constexpr int FWD_MAX_ELEMS = 32;
+constexpr int BWD_MAX_NV = 2;
+/* Threads per block of the tiled kernels, at most. */
+constexpr int MAX_THREADS = 512;
+
+} /* namespace nkc */
+
+#endif /* NORMD_NORM_CUDA_INTERNAL_CUH */

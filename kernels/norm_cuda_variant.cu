@@ -1,0 +1,414 @@
+/*
+ * The C ABI of the CUDA backend (kernels/norm_kernels.h): variant rules,
+ * candidates, fit checks, names, workspace sizes, and nk_cuda_norm, which
+ * validates a job and dispatches it to the launchers of norm_cuda_fwd.cu,
+ * norm_cuda_bwd.cu and norm_cuda_generic.cu.
+ *
+ * Variant rules (nk_cuda_variant_default):
+ *   - tiled needs 16-byte aligned tensors and cols % VEC == 0 (VEC = 16 bytes
+ *     of the storage type), otherwise the generic family runs;
+ *   - a thread holds up to 32 elements (forward) or 2 vectors (backward,
+ *     which also keeps dgamma/dbeta sums); rows of at most 32 such threads
+ *     go to a piece of a warp, wider rows to a block of up to 512 threads,
+ *     and rows wider than one block holds to a cluster of 2, 4 or 8 blocks
+ *     (sm_90);
+ *   - the backward grid is capped by units_cap, computed for a reference
+ *     device of REF_SMS multiprocessors and never from the actual one, so the
+ *     partial rows (hence the weight gradients' bits) depend on the shape and
+ *     the variant alone.
+ *
+ * Host code only; built by `make` with the other kernels/ CUDA files.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "kernels/norm_cuda_internal.cuh"
+
+namespace nkc {
+
+/* Multiprocessors of the reference device the backward grid caps assume. */
+constexpr int REF_SMS = 132;
+
+static thread_local char last_error[256] = "no error";
+
+int set_error(cudaError_t err, const char *where)
+{
+	snprintf(last_error, sizeof(last_error), "%s: %s (%s)", where, cudaGetErrorString(err),
+		 cudaGetErrorName(err));
+	return NK_EDEVICE;
+}
+
+int check_launch(const char *where)
+{
+	cudaError_t err = cudaGetLastError();
+	return err == cudaSuccess ? NK_OK : set_error(err, where);
+}
+
+static void set_message(const char *msg)
+{
+	snprintf(last_error, sizeof(last_error), "%s", msg);
+}
+
+Shape shape_of(const struct nk_variant *v)
+{
+	Shape s;
+	s.family = v->family;
+	s.threads = v->threads;
+	s.R = v->rows_per_block > 0 ? v->rows_per_block : 1;
+	s.G = s.threads / s.R;
+	s.NV = (int)(v->param & 0xff);
+	s.K = (int)((v->param >> 8) & 0xff);
+	s.units_cap = (int)(v->param >> 16);
+	return s;
+}
+
+static bool is_bwd(const struct nk_norm_args *a)
+{
+	return a->op == NK_LAYERNORM_BWD || a->op == NK_RMSNORM_BWD;
+}
+
+static bool is_ln(const struct nk_norm_args *a)
+{
+	return a->op == NK_LAYERNORM_FWD || a->op == NK_LAYERNORM_BWD;
+}
+
+int64_t partial_rows(const struct nk_norm_args *a, const Shape &s)
+{
+	int64_t units;
+	if (s.family == NK_FAMILY_GENERIC) {
+		units = (a->rows + 7) / 8;
+		return units < s.units_cap ? units : s.units_cap;
+	}
+	units = (a->rows + s.R - 1) / s.R;
+	if (units > s.units_cap)
+		units = s.units_cap;
+	return units * s.R;
+}
+
+Params params_of(const struct nk_norm_args *a)
+{
+	Params p;
+	memset(&p, 0, sizeof(p));
+	p.x = a->x;
+	p.y = a->y;
+	p.mean = a->mean;
+	p.rstd = a->rstd;
+	p.gamma = a->gamma;
+	p.beta = a->beta;
+	p.dy = a->dy;
+	p.dx = a->dx;
+	p.rows = a->rows;
+	p.cols = a->cols;
+	p.eps = a->eps;
+	p.inv_cols = (float)(1.0 / (double)a->cols);
+	p.f = (is_ln(a) ? F_LN : 0) | (a->flags & NK_MEMORY_EFFICIENT ? F_MEMEFF : 0) |
+	      (a->gamma ? F_GAMMA : 0) | (a->beta ? F_BETA : 0) |
+	      (is_bwd(a) && a->dgamma ? F_DGAMMA : 0) | (is_bwd(a) && a->dbeta ? F_DBETA : 0) |
+	      (a->flags & NK_ACCUMULATE ? F_ACCUM : 0);
+	return p;
+}
+
+static int vec_of(const struct nk_norm_args *a)
+{
+	return 16 / (int)nk_dtype_size(a->dtype);
+}
+
+static bool aligned16(const void *p)
+{
+	return ((uintptr_t)p & 15) == 0;
+}
+
+/* Whether every tensor the tiled kernels load as vectors allows it. */
+static bool tiled_layout_ok(const struct nk_norm_args *a)
+{
+	if (a->cols % vec_of(a) != 0 || !aligned16(a->x) || !aligned16(a->gamma) ||
+	    !aligned16(a->beta))
+		return false;
+	if (is_bwd(a))
+		return aligned16(a->dy) && aligned16(a->dx);
+	return aligned16(a->y);
+}
+
+static int pow2_ceil(int64_t n)
+{
+	int p = 1;
+	while (p < n)
+		p <<= 1;
+	return p;
+}
+
+/* Backward grid cap of a tiled shape, from the reference device. */
+static int bwd_units_cap(int threads, int elems, int K)
+{
+	int regs = 48 + 5 * elems; /* estimate: the kernels use about this */
+	int per_sm = 2048 / threads;
+	int by_regs = 65536 / (threads * ((regs + 7) / 8 * 8));
+	if (by_regs < per_sm)
+		per_sm = by_regs;
+	if (per_sm < 1)
+		per_sm = 1;
+	int cap = REF_SMS * per_sm / K;
+	return cap < 1 ? 1 : cap;
+}
+
+/*
+ * A tiled variant holding up to `nv` vectors a thread, with blocks of
+ * `warp_threads` for rows that fit a warp. False if none fits the job.
+ */
+static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int nv,
+			  int warp_threads, struct nk_variant *v)
+{
+	const int vec = vec_of(a);
+	const int64_t nvec = a->cols / vec;
+	int G, R, K = 1;
+
+	if (!tiled_layout_ok(a))
+		return false;
+	if (nvec <= 32 * (int64_t)nv) {
+		G = pow2_ceil((nvec + nv - 1) / nv);
+		nv = pow2_ceil((nvec + G - 1) / G);
+		R = warp_threads / G;
+	} else {
+		while (K <= 8 && nvec > (int64_t)MAX_THREADS * nv * K)
+			K *= 2;
+		if (K > 8 || (K > 1 && dev->cc_major < 9))
+			return false;
+		G = (int)((nvec + (int64_t)nv * K - 1) / ((int64_t)nv * K));
+		G = (G + 31) / 32 * 32;
+		R = K == 1 && G < 256 ? 256 / G : 1;
+	}
+	memset(v, 0, sizeof(*v));
+	v->family = G <= 32 ? NK_FAMILY_WARP_ROWS : NK_FAMILY_BLOCK_ROW;
+	v->threads = (uint16_t)(G * R);
+	v->rows_per_block = (uint16_t)R;
+	v->vec_elems = (uint16_t)vec;
+	v->param = shape_param(nv, K, is_bwd(a) ? bwd_units_cap(G * R, nv * vec, K) : 0);
+	return true;
+}
+
+static void generic_variant(const struct nk_norm_args *a, struct nk_variant *v)
+{
+	memset(v, 0, sizeof(*v));
+	v->family = NK_FAMILY_GENERIC;
+	v->threads = 256;
+	v->rows_per_block = a->cols <= 1024 ? 8 : 1;
+	v->vec_elems = 1;
+	v->param = shape_param(1, 1, is_bwd(a) ? 512 : 0);
+}
+
+/* The largest vectors-a-thread count the tiled kernels allow. */
+static int max_nv(const struct nk_norm_args *a)
+{
+	return is_bwd(a) ? BWD_MAX_NV : FWD_MAX_ELEMS / vec_of(a);
+}
+
+static bool tiled_fits(const struct nk_norm_args *a, const struct nk_device_info *dev,
+		       const struct nk_variant *v, const Shape &s)
+{
+	const int vec = vec_of(a);
+	const int64_t nvec = a->cols / vec;
+
+	if (!tiled_layout_ok(a) || v->vec_elems != vec)
+		return false;
+	if (s.NV < 1 || s.NV > max_nv(a) || (s.NV & (s.NV - 1)) != 0)
+		return false;
+	if (s.threads < 32 || s.threads > MAX_THREADS || s.threads % 32 != 0 ||
+	    s.threads % s.R != 0)
+		return false;
+	if (s.K != 1 && s.K != 2 && s.K != 4 && s.K != 8)
+		return false;
+	if (s.K > 1 && (s.R != 1 || dev->cc_major < 9))
+		return false;
+	if (s.family == NK_FAMILY_WARP_ROWS && (s.G > 32 || (s.G & (s.G - 1)) != 0))
+		return false;
+	if (s.family == NK_FAMILY_BLOCK_ROW && s.G % 32 != 0)
+		return false;
+	if (is_bwd(a) && s.units_cap < 1)
+		return false;
+	return (int64_t)s.G * s.K * s.NV >= nvec;
+}
+
+/* The variant nk_cuda_norm runs for `v` (NULL: the default). */
+static struct nk_variant resolve(const struct nk_norm_args *a, const struct nk_device_info *dev,
+				 const struct nk_variant *v)
+{
+	struct nk_variant out;
+	if (v && nk_cuda_variant_fits(a, dev, v))
+		return *v;
+	nk_cuda_variant_default(a, dev, &out);
+	return out;
+}
+
+static size_t workspace_of(const struct nk_norm_args *a, const struct nk_variant *v)
+{
+	if (!is_bwd(a) || (!a->dgamma && !a->dbeta))
+		return 0;
+	Shape s = shape_of(v);
+	size_t bytes = (size_t)partial_rows(a, s) * (size_t)a->cols * sizeof(float);
+	if (a->dbeta)
+		bytes *= 2;
+	return (bytes + 255) / 256 * 256;
+}
+
+/* Pointers must at least be aligned to their element size. */
+static bool elements_aligned(const struct nk_norm_args *a)
+{
+	uintptr_t ds = nk_dtype_size(a->dtype) - 1, ws = nk_dtype_size(a->weight_dtype) - 1;
+	return !(((uintptr_t)a->x | (uintptr_t)a->y | (uintptr_t)a->dy | (uintptr_t)a->dx) & ds) &&
+	       !(((uintptr_t)a->gamma | (uintptr_t)a->beta | (uintptr_t)a->dgamma |
+		  (uintptr_t)a->dbeta) &
+		 ws) &&
+	       !(((uintptr_t)a->mean | (uintptr_t)a->rstd) & 3);
+}
+
+static int dispatch(const struct nk_norm_args *a, const struct nk_device_info *dev,
+		    const struct nk_variant *v, const struct nk_cuda_exec *exec)
+{
+	cudaStream_t stream = static_cast<cudaStream_t>(exec->stream);
+	float *part = static_cast<float *>(exec->workspace);
+	Shape s = shape_of(v);
+	int rc;
+
+	if (!is_bwd(a)) {
+		if (s.family == NK_FAMILY_GENERIC)
+			return launch_fwd_generic(a, dev, s, stream);
+		return launch_fwd_tiled(a, dev, s, stream);
+	}
+	if (s.family == NK_FAMILY_GENERIC)
+		rc = launch_bwd_generic(a, dev, s, part, stream);
+	else
+		rc = launch_bwd_tiled(a, s, part, stream);
+	if (rc != NK_OK)
+		return rc;
+	if (!a->dgamma && !a->dbeta && !exec->clamped_cols)
+		return NK_OK;
+	return launch_finish(a, part, partial_rows(a, s), exec->clamped_cols, stream);
+}
+
+} /* namespace nkc */
+
+using namespace nkc;
+
+extern "C" {
+
+int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_device_info *dev,
+			    struct nk_variant *out)
+{
+	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
+		return NK_EINVAL;
+	int nv = max_nv(args);
+	if (!tiled_variant(args, dev, nv, 256, out))
+		generic_variant(args, out);
+	return NK_OK;
+}
+
+int nk_cuda_variant_candidates(const struct nk_norm_args *args,
+			       const struct nk_device_info *dev, struct nk_variant *out, int max)
+{
+	struct nk_variant v;
+	int n = 0;
+
+	if (!args || !dev || !out || max <= 0 || nk_norm_check(args, NULL) != NK_OK)
+		return 0;
+	nk_cuda_variant_default(args, dev, &v);
+	out[n++] = v;
+	for (int nv = max_nv(args); nv >= 1 && n < max; nv /= 2) {
+		for (int wt = 128; wt <= 512 && n < max; wt *= 2) {
+			if (!tiled_variant(args, dev, nv, wt, &v))
+				continue;
+			bool seen = false;
+			for (int i = 0; i < n; i++)
+				seen = seen || memcmp(&out[i], &v, sizeof(v)) == 0;
+			if (!seen)
+				out[n++] = v;
+		}
+	}
+	generic_variant(args, &v);
+	if (n < max && memcmp(&out[0], &v, sizeof(v)) != 0)
+		out[n++] = v;
+	return n;
+}
+
+bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_device_info *dev,
+			  const struct nk_variant *variant)
+{
+	if (!args || !dev || !variant || variant->reserved != 0)
+		return false;
+	Shape s = shape_of(variant);
+	switch (variant->family) {
+	case NK_FAMILY_WARP_ROWS:
+	case NK_FAMILY_BLOCK_ROW:
+		return tiled_fits(args, dev, variant, s);
+	case NK_FAMILY_GENERIC:
+		return s.threads == 256 && (s.R == 1 || s.R == 8) && s.NV == 1 && s.K == 1 &&
+		       variant->vec_elems == 1 && (!is_bwd(args) || s.units_cap >= 1);
+	}
+	return false;
+}
+
+void nk_variant_name(const struct nk_variant *variant, char *buf, size_t len)
+{
+	static const char *const names[] = {"none", "warp_rows", "block_row", "block_smem",
+					    "generic"};
+	if (!buf || len == 0)
+		return;
+	if (!variant) {
+		snprintf(buf, len, "none");
+		return;
+	}
+	Shape s = shape_of(variant);
+	const char *fam = variant->family < 5 ? names[variant->family] : "unknown";
+	int n = snprintf(buf, len, "%s/t%u/r%u/v%u/n%d", fam, (unsigned)variant->threads,
+			 (unsigned)variant->rows_per_block, (unsigned)variant->vec_elems, s.NV);
+	if (n > 0 && (size_t)n < len && s.K > 1)
+		n += snprintf(buf + n, len - (size_t)n, "/c%d", s.K);
+	if (n > 0 && (size_t)n < len && s.units_cap > 0)
+		snprintf(buf + n, len - (size_t)n, "/p%d", s.units_cap);
+}
+
+size_t nk_cuda_workspace_bytes(const struct nk_norm_args *args, const struct nk_device_info *dev,
+			       const struct nk_variant *variant)
+{
+	if (!args || !dev || nk_norm_check(args, NULL) != NK_OK)
+		return 0;
+	struct nk_variant v = resolve(args, dev, variant);
+	return workspace_of(args, &v);
+}
+
+int nk_cuda_norm(const struct nk_norm_args *args, const struct nk_device_info *dev,
+		 const struct nk_variant *variant, const struct nk_cuda_exec *exec,
+		 struct nk_variant *ran)
+{
+	const char *why = NULL;
+
+	if (!args || !dev || !exec || dev->sm_count < 1) {
+		set_message("nk_cuda_norm: args, dev and exec are required");
+		return NK_EINVAL;
+	}
+	if (nk_norm_check(args, &why) != NK_OK) {
+		set_message(why);
+		return NK_EINVAL;
+	}
+	if (!elements_aligned(args)) {
+		set_message("a tensor is not aligned to its element size");
+		return NK_EINVAL;
+	}
+	struct nk_variant v = resolve(args, dev, variant);
+	size_t need = workspace_of(args, &v);
+	if (need > 0 && (exec->workspace_bytes < need || !exec->workspace ||
+			 !aligned16(exec->workspace))) {
+		set_message("workspace missing, too small or not 16-byte aligned");
+		return NK_EINVAL;
+	}
+	int rc = dispatch(args, dev, &v, exec);
+	if (rc == NK_OK && ran)
+		*ran = v;
+	return rc;
+}
+
+const char *nk_cuda_last_error(void)
+{
+	return last_error;
+}
+
+} /* extern "C" */

@@ -1,0 +1,227 @@
+/*
+ * The C ABI of normd's normalization kernels.
+ *
+ * Two implementations sit behind this header:
+ *   - kernels/norm_cpu.c: the CPU backend and the numerical oracle. It computes
+ *     in fp32 (NK_CPU_FP32) or, in reference mode, in fp64 (NK_CPU_REFERENCE);
+ *     outputs are rounded once to their storage dtype.
+ *   - kernels/norm_cuda.cu: the CUDA kernels and their launchers.
+ *
+ * Semantics (shared by both, see docs/DESIGN.md "Job semantics"):
+ *   Input is a row-major [rows, cols] view. Statistics are fp32, one per row.
+ *   LayerNorm fwd: y = (x - mean) * rstd * gamma + beta, rstd = 1/sqrt(var + eps),
+ *                  var biased. gamma and beta optional (NULL).
+ *   RMSNorm fwd:   y = x * rstd * gamma, rstd = 1/sqrt(mean(x^2) + eps).
+ *   Backward:      dx, and dgamma / dbeta when those pointers are non-NULL.
+ *                  dgamma/dbeta are overwritten unless NK_ACCUMULATE is set.
+ *   NK_MEMORY_EFFICIENT backward reads y (passed in `x`) instead of x and
+ *   recomputes x_hat = (y - beta) / clamp(gamma) (RMS: y / clamp(gamma)),
+ *   where clamp() moves gamma values with |gamma| < eps to +-eps as apex's
+ *   clamp_by_magnitude does (gamma == 0 becomes +eps). mean is not read then.
+ *
+ * Nothing here allocates device memory, synchronizes, or exits; every
+ * function reports failure through its return value (enum nk_status).
+ */
+#ifndef NORMD_NORM_KERNELS_H
+#define NORMD_NORM_KERNELS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Return codes of every function in this header. */
+enum nk_status {
+	NK_OK = 0,
+	NK_EINVAL = -1,       /* arguments violate the preconditions below */
+	NK_ENOMEM = -2,       /* host allocation failed (CPU backend) */
+	NK_EUNSUPPORTED = -3, /* valid request this build cannot run */
+	NK_EDEVICE = -4,      /* a CUDA call failed; see nk_cuda_last_error() */
+};
+
+/* Storage types. Compute and statistics are always at least fp32. */
+enum nk_dtype {
+	NK_F32 = 0,
+	NK_F16 = 1,
+	NK_BF16 = 2,
+};
+
+enum nk_op {
+	NK_LAYERNORM_FWD = 0,
+	NK_LAYERNORM_BWD = 1,
+	NK_RMSNORM_FWD = 2,
+	NK_RMSNORM_BWD = 3,
+};
+
+enum nk_flags {
+	NK_MEMORY_EFFICIENT = 1u << 0, /* backward: `x` holds the forward output y */
+	NK_ACCUMULATE = 1u << 1,       /* backward: dgamma/dbeta += instead of = */
+};
+
+/*
+ * One normalization job. Tensors that an op does not use are ignored.
+ *   dtype        x, y, dy, dx
+ *   weight_dtype gamma, beta, dgamma, dbeta (equal to dtype, or NK_F32)
+ *
+ * op       reads                                writes
+ * LN fwd   x, gamma?, beta?                     y, mean?, rstd?
+ * RMS fwd  x, gamma?                            y, rstd?
+ * LN bwd   dy, x|y, mean (not if mem-eff),      dx, dgamma? (needs gamma),
+ *          rstd, gamma?, beta?                  dbeta? (needs gamma)
+ * RMS bwd  dy, x|y, rstd, gamma?                dx, dgamma? (needs gamma)
+ *
+ * "?" means optional: NULL skips it. dgamma = sum over rows of dy * x_hat,
+ * dbeta = sum over rows of dy; both are fp32-accumulated and stored in
+ * weight_dtype. beta without gamma is refused (apex has no such mode).
+ */
+struct nk_norm_args {
+	enum nk_op op;
+	int64_t rows; /* >= 1 */
+	int64_t cols; /* >= 1 */
+	float eps;    /* > 0 and finite */
+	enum nk_dtype dtype;
+	enum nk_dtype weight_dtype;
+	unsigned flags; /* enum nk_flags */
+	const void *x;  /* [rows, cols]: x, or y when NK_MEMORY_EFFICIENT */
+	void *y;        /* [rows, cols] forward output */
+	float *mean;    /* [rows] */
+	float *rstd;    /* [rows] */
+	const void *gamma; /* [cols] */
+	const void *beta;  /* [cols] */
+	const void *dy;    /* [rows, cols] */
+	void *dx;          /* [rows, cols] */
+	void *dgamma;      /* [cols] */
+	void *dbeta;       /* [cols] */
+};
+
+/* What a job reports back besides its outputs. */
+struct nk_norm_result {
+	uint32_t clamped_cols; /* memory-efficient bwd: gamma entries clamped to +-eps */
+};
+
+/* Bytes per element of a storage dtype (0 for an unknown value). */
+size_t nk_dtype_size(enum nk_dtype dtype);
+
+/* Short names for logs and replies: "f32", "f16", "bf16"; "?" if unknown. */
+const char *nk_dtype_name(enum nk_dtype dtype);
+const char *nk_op_name(enum nk_op op);
+
+/* Storage conversions, round to nearest even; NaN stays NaN. */
+float nk_f16_to_f32(uint16_t h);
+uint16_t nk_f32_to_f16(float f);
+float nk_bf16_to_f32(uint16_t b);
+uint16_t nk_f32_to_bf16(float f);
+
+/* Element i of a buffer of `dtype` as double / stored from double (rounded once). */
+double nk_load(enum nk_dtype dtype, const void *base, size_t i);
+void nk_store(enum nk_dtype dtype, void *base, size_t i, double value);
+
+/*
+ * Checks the combination of op, flags, dtypes and which tensors are present
+ * (not their sizes: the caller bounds-checks memory). Returns NK_OK or
+ * NK_EINVAL and, if `why` is non-NULL, a static one-line reason.
+ */
+int nk_norm_check(const struct nk_norm_args *args, const char **why);
+
+/* ---- CPU backend and reference ----------------------------------------- */
+
+enum nk_cpu_precision {
+	NK_CPU_FP32 = 0,      /* the CPU backend: fp32 compute */
+	NK_CPU_REFERENCE = 1, /* the oracle: the same code computing in fp64 */
+};
+
+struct nk_cpu_opts {
+	enum nk_cpu_precision precision;
+	int threads; /* worker threads for this job; <= 1 runs on the caller */
+};
+
+/*
+ * Runs one job on host memory. Results do not depend on `threads`: rows are
+ * split into blocks by a rule of rows alone, and per-block dgamma/dbeta
+ * partials are summed in block order. Returns NK_OK, NK_EINVAL, NK_ENOMEM.
+ * Thread-safe: concurrent calls on disjoint outputs are fine.
+ */
+int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
+		struct nk_norm_result *result);
+
+/* ---- CUDA backend ------------------------------------------------------- */
+
+/* Which kernel family a variant runs. */
+enum nk_variant_family {
+	NK_FAMILY_NONE = 0,
+	NK_FAMILY_WARP_ROWS = 1, /* one warp handles one or several whole rows */
+	NK_FAMILY_BLOCK_ROW = 2, /* one block per row, row held in registers */
+	NK_FAMILY_BLOCK_SMEM = 3, /* one block per row, row staged in shared memory */
+	NK_FAMILY_GENERIC = 4,   /* any cols, any alignment: the fallback */
+};
+
+/*
+ * A kernel variant and its launch shape: a plain value that the daemon's
+ * variant cache stores and persists as is (fixed size, no pointers).
+ */
+struct nk_variant {
+	uint16_t family;         /* enum nk_variant_family */
+	uint16_t threads;        /* threads per block */
+	uint16_t rows_per_block; /* rows a block owns at a time */
+	uint16_t vec_elems;      /* elements per vector load (1 = scalar) */
+	uint32_t param;          /* family-specific (e.g. register tile length) */
+	uint32_t reserved;       /* zero */
+};
+
+/* Facts about a device that the launchers need; the daemon fills it once. */
+struct nk_device_info {
+	int ordinal;
+	int sm_count;
+	int max_threads_per_sm;
+	size_t max_smem_per_block_optin;
+	int cc_major, cc_minor;
+};
+
+/* Execution context for one launch. */
+struct nk_cuda_exec {
+	void *stream;          /* cudaStream_t; NULL is the legacy default stream */
+	void *workspace;       /* device scratch of nk_cuda_workspace_bytes() */
+	size_t workspace_bytes;
+	uint32_t *clamped_cols; /* device or mapped host word, written
+				   asynchronously by mem-eff bwd; may be NULL */
+};
+
+/* Fills the default (rule-based) variant for a job on a device. */
+int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_device_info *dev,
+			    struct nk_variant *out);
+
+/* Lists up to `max` candidate variants for autotuning; returns the count (>= 0). */
+int nk_cuda_variant_candidates(const struct nk_norm_args *args,
+			       const struct nk_device_info *dev, struct nk_variant *out, int max);
+
+/* Whether `variant` can run `args` (alignment, cols, shared memory). */
+bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_device_info *dev,
+			  const struct nk_variant *variant);
+
+/* A human-readable name such as "warp_rows/t128/r4/v8" into buf. */
+void nk_variant_name(const struct nk_variant *variant, char *buf, size_t len);
+
+/* Scratch the launch needs (dgamma/dbeta partials, counters). */
+size_t nk_cuda_workspace_bytes(const struct nk_norm_args *args,
+			       const struct nk_device_info *dev, const struct nk_variant *variant);
+
+/*
+ * Enqueues the job on exec->stream. If `variant` does not fit the job
+ * (alignment, shared memory), the launcher falls back to a variant that
+ * does and writes what it ran into *ran (may be NULL). Never synchronizes.
+ */
+int nk_cuda_norm(const struct nk_norm_args *args, const struct nk_device_info *dev,
+		 const struct nk_variant *variant, const struct nk_cuda_exec *exec,
+		 struct nk_variant *ran);
+
+/* The last CUDA error string seen by a launcher on this thread. */
+const char *nk_cuda_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NORMD_NORM_KERNELS_H */

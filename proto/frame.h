@@ -1,0 +1,61 @@
+/*
+ * Framing and message codec shared by the daemon and the client library:
+ * the only code that turns raw bytes into messages.
+ *
+ * A frame is a 4-byte little-endian body length followed by one
+ * normd.Envelope. The length is checked against a limit before anything is
+ * allocated, and unpacking draws from a byte budget, so a peer can make us
+ * allocate at most a small multiple of the frame it sent.
+ */
+#ifndef NORMD_FRAME_H
+#define NORMD_FRAME_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "normd.pb-c.h"
+#include "normclient.h"
+
+#define NC__FRAME_HEADER_BYTES 4u
+#define NC__DEFAULT_MAX_FRAME (64u * 1024u)
+/* Unpacking may allocate at most this many times the frame's size (+ slack). */
+#define NC__UNPACK_BUDGET_FACTOR 8u
+#define NC__UNPACK_BUDGET_SLACK 4096u
+
+/* The body length a header announces. */
+uint32_t nc__frame_length(const uint8_t header[NC__FRAME_HEADER_BYTES]);
+
+/*
+ * Packs `env` into a new frame (header + body) of *len bytes in *out, which
+ * the caller frees with nc__free(). Returns 0, NC_ENOMEM, or
+ * NC_EINVALID_ARGUMENT if the body would exceed `max_frame`.
+ */
+int nc__frame_pack(const Normd__Envelope *env, uint32_t max_frame, uint8_t **out, size_t *len);
+
+/*
+ * Unpacks one body. Returns NULL if the bytes are not a valid Envelope, if it
+ * carries no body, or if decoding would exceed the byte budget; *why (may be
+ * NULL) then says which. Free the result with nc__envelope_free().
+ */
+Normd__Envelope *nc__envelope_unpack(const uint8_t *body, size_t len, const char **why);
+void nc__envelope_free(Normd__Envelope *env);
+
+/* ---- allocation ------------------------------------------------------------
+ * Every allocation of the daemon, the library and the codec goes through
+ * these, so that tests can make the Nth one fail.
+ */
+void *nc__malloc(size_t size);
+void *nc__calloc(size_t count, size_t size);
+void *nc__realloc(void *ptr, size_t size);
+char *nc__strdup(const char *s);
+void nc__free(void *ptr);
+
+/* Makes allocation number `n` (1-based, counted from this call) fail; 0 disables. */
+void nc__alloc_fail_after(uint64_t n);
+
+/* Wire status <-> library code. Unknown wire values map to NC_EPROTOCOL_ERROR. */
+int nc__status_from_wire(Normd__Status status);
+Normd__Status nc__status_to_wire(int code);
+
+#endif /* NORMD_FRAME_H */
