@@ -73,8 +73,14 @@ struct cpu_job {
 	atomic_llong next_block; /* the next block a worker takes */
 };
 
-/* Rows of scratch (each `cols` of the compute type) one worker needs. */
-#define SCRATCH_ROWS 2
+/* Rows of scratch (each `cols` of the compute type) one worker needs:
+ * x_hat, dy (then dx), and the chunk partials of dgamma and dbeta. */
+#define SCRATCH_ROWS 4
+/* Backward sums this many rows into a chunk partial before adding it to
+ * its block's partial. */
+#define ROW_CHUNK 64
+/* Sums over more elements than this are split in halves (pairwise). */
+#define PAIRWISE_LEAF 256
 
 /* Rows [*first, *end) of a block: blocks differ in size by at most one row. */
 static void block_rows(const struct cpu_job *job, int64_t block, int64_t *first, int64_t *end)
@@ -316,9 +322,10 @@ static void RNAME(store_row)(enum nk_dtype dtype, void *base, int64_t first, int
 }
 
 /*
- * Sums over eight interleaved partial sums combined pairwise: more accurate
- * than one running sum, and in a fixed order, so a result depends on the
- * data alone.
+ * Sums run over eight interleaved partial sums combined pairwise, and rows
+ * longer than PAIRWISE_LEAF are split in halves recursively (pairwise
+ * summation): the error grows with log(cols), not cols, and the order is
+ * fixed, so a result depends on the data alone.
  */
 static REAL RNAME(combine8)(const REAL *acc, REAL tail)
 {
@@ -333,6 +340,8 @@ static REAL RNAME(sum)(const REAL *a, int64_t n)
 	REAL tail = 0;
 	int64_t j = 0;
 
+	if (n > PAIRWISE_LEAF)
+		return RNAME(sum)(a, n / 2) + RNAME(sum)(a + n / 2, n - n / 2);
 	for (; j + 8 <= n; j += 8) {
 		for (int k = 0; k < 8; k++)
 			acc[k] += a[j + k];
@@ -349,6 +358,8 @@ static REAL RNAME(dot)(const REAL *a, const REAL *b, int64_t n)
 	REAL tail = 0;
 	int64_t j = 0;
 
+	if (n > PAIRWISE_LEAF)
+		return RNAME(dot)(a, b, n / 2) + RNAME(dot)(a + n / 2, b + n / 2, n - n / 2);
 	for (; j + 8 <= n; j += 8) {
 		for (int k = 0; k < 8; k++)
 			acc[k] += a[j + k] * b[j + k];
@@ -356,6 +367,13 @@ static REAL RNAME(dot)(const REAL *a, const REAL *b, int64_t n)
 	for (; j < n; j++)
 		tail += a[j] * b[j];
 	return RNAME(combine8)(acc, tail);
+}
+
+/* dst[j] += src[j], j < n. */
+static void RNAME(add_to)(REAL *dst, const REAL *src, int64_t n)
+{
+	for (int64_t j = 0; j < n; j++)
+		dst[j] += src[j];
 }
 
 /* Forward of one row; v is a scratch row of cols elements. */
@@ -434,16 +452,43 @@ static void RNAME(backward_row)(const struct cpu_job *job, int64_t row, REAL *xh
 	RNAME(store_row)(a->dtype, a->dx, first, n, dyg);
 }
 
+/*
+ * Backward rows [first, end) of a block. Rows are summed into chunk partials
+ * (cg, cb) of ROW_CHUNK rows and each chunk into the block's partials (pg,
+ * pb): the fp32 error of dgamma grows with ROW_CHUNK + rows / ROW_CHUNK,
+ * not with the rows of a block.
+ */
+static void RNAME(backward_rows)(const struct cpu_job *job, int64_t first, int64_t end, REAL *pg,
+				 REAL *pb, REAL *scratch)
+{
+	int64_t n = job->cols;
+	REAL *xh = scratch, *dyg = xh + n, *cg = dyg + n, *cb = cg + n;
+	size_t row_bytes = (size_t)n * sizeof(REAL);
+
+	for (int64_t chunk = first; chunk < end; chunk += ROW_CHUNK) {
+		int64_t chunk_end = end - chunk > ROW_CHUNK ? chunk + ROW_CHUNK : end;
+		if (pg)
+			memset(cg, 0, row_bytes);
+		if (pb)
+			memset(cb, 0, row_bytes);
+		for (int64_t r = chunk; r < chunk_end; r++)
+			RNAME(backward_row)(job, r, xh, dyg, pg ? cg : NULL, pb ? cb : NULL);
+		if (pg)
+			RNAME(add_to)(pg, cg, n);
+		if (pb)
+			RNAME(add_to)(pb, cb, n);
+	}
+}
+
 static void RNAME(run_block)(struct cpu_job *job, int64_t block, void *scratch)
 {
 	int64_t n = job->cols, first, end;
-	REAL *row_a = scratch, *row_b = row_a + n;
 	REAL *pg = NULL, *pb = NULL;
 
 	block_rows(job, block, &first, &end);
 	if (!job->backward) {
 		for (int64_t r = first; r < end; r++)
-			RNAME(forward_row)(job, r, row_a);
+			RNAME(forward_row)(job, r, scratch);
 		return;
 	}
 	if (job->part_dgamma) {
@@ -454,8 +499,7 @@ static void RNAME(run_block)(struct cpu_job *job, int64_t block, void *scratch)
 		pb = (REAL *)job->part_dbeta + block * n;
 		memset(pb, 0, (size_t)n * sizeof(REAL));
 	}
-	for (int64_t r = first; r < end; r++)
-		RNAME(backward_row)(job, r, row_a, row_b, pg, pb);
+	RNAME(backward_rows)(job, first, end, pg, pb, scratch);
 }
 
 /* Converts gamma and beta (ones and zeros when absent) and clamps gamma. */

@@ -113,7 +113,7 @@ __device__ __forceinline__ void write_row(const Params &p, int64_t row, const fl
 }
 
 template <typename T, typename W, int NV>
-__global__ void __launch_bounds__(MAX_THREADS) fwd_tiled(const Params p)
+__global__ void __launch_bounds__(MAX_THREADS, 1) fwd_tiled(const Params p)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	__shared__ RedSmem sm;

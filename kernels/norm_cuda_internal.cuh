@@ -197,16 +197,17 @@ __device__ __forceinline__ float clamp_magnitude(float g, float eps)
 }
 
 /*
- * a / b. The fast division (2 ulp) where b is in its range, IEEE division
- * otherwise; keeps the IEEE slow path, and its register saves, off the
- * common path.
+ * a / b within 2 ulp: the fast division, with b scaled by a power of two
+ * into its range first (exact), so no IEEE slow-path call is compiled in.
  */
 __device__ __forceinline__ float divide(float a, float b)
 {
 	float m = fabsf(b);
-	if (m >= 0x1p-125f && m <= 0x1p125f)
-		return __fdividef(a, b);
-	return a / b;
+	if (m < 0x1p-125f)
+		return __fdividef(a, b * 0x1p64f) * 0x1p64f;
+	if (m > 0x1p125f)
+		return __fdividef(a, b * 0x1p-64f) * 0x1p-64f;
+	return __fdividef(a, b);
 }
 
 /* Per-block scratch of the group reductions, double-buffered by row parity. */

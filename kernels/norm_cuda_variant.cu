@@ -101,10 +101,12 @@ Params params_of(const struct nk_norm_args *a)
 	p.cols = a->cols;
 	p.eps = a->eps;
 	p.inv_cols = (float)(1.0 / (double)a->cols);
-	p.f = (is_ln(a) ? F_LN : 0) | (a->flags & NK_MEMORY_EFFICIENT ? F_MEMEFF : 0) |
-	      (a->gamma ? F_GAMMA : 0) | (a->beta ? F_BETA : 0) |
-	      (is_bwd(a) && a->dgamma ? F_DGAMMA : 0) | (is_bwd(a) && a->dbeta ? F_DBETA : 0) |
-	      (a->flags & NK_ACCUMULATE ? F_ACCUM : 0);
+	const unsigned none = 0;
+	p.f = (is_ln(a) ? F_LN : none) | (a->flags & NK_MEMORY_EFFICIENT ? F_MEMEFF : none) |
+	      (a->gamma ? F_GAMMA : none) | (a->beta ? F_BETA : none) |
+	      (is_bwd(a) && a->dgamma ? F_DGAMMA : none) |
+	      (is_bwd(a) && a->dbeta ? F_DBETA : none) |
+	      (a->flags & NK_ACCUMULATE ? F_ACCUM : none);
 	return p;
 }
 

@@ -255,6 +255,9 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 	size_t offsets[JK_ROLES] = {0}, total = 0;
 	memset(kit, 0, sizeof(*kit));
 	kit->spec = *spec;
+	if (!op_is_backward(spec->op)) /* the backward-only flags mean nothing here */
+		kit->spec.memory_efficient = kit->spec.accumulate = false;
+	spec = &kit->spec;
 	jobkit_roles(spec, used);
 	for (int role = 0; role < JK_ROLES; role++) {
 		if (!used[role])
@@ -337,11 +340,19 @@ static void compare_output(const struct jobkit *kit, int role, const void *ref,
 	}
 	double rel_l2 = ref2 > 0 ? sqrt(err2 / ref2) : sqrt(err2);
 	double rel_max = max_ref > 0 ? max_abs / max_ref : max_abs;
+	/*
+	 * Inputs are of order one, so outputs are too unless they cancel (a
+	 * backward over one column has dx ~ 0): then the RMS absolute error is
+	 * held to the same tolerance instead of the relative one.
+	 */
+	double rms_abs = n ? sqrt(err2 / (double)n) : 0;
+	bool within = rel_l2 < tolerance || (sqrt(ref2 / (double)(n ? n : 1)) < 1e-2 &&
+					     rms_abs < tolerance);
 	report->max_abs_err = fmax(report->max_abs_err, max_abs);
 	report->max_rel_err = fmax(report->max_rel_err, rel_max);
 	report->rel_l2_err = fmax(report->rel_l2_err, rel_l2);
 	report->tolerance = fmax(report->tolerance, tolerance);
-	if (!(rel_l2 < tolerance) && report->ok) {
+	if (!within && report->ok) {
 		snprintf(report->detail, sizeof(report->detail),
 			 "%s: relative L2 error %.3g over tolerance %.0e", role_names[role], rel_l2,
 			 tolerance);

@@ -1171,6 +1171,10 @@ static void test_cpu_options(void **state)
 	assert_int_equal(nk_cpu_norm(&j.args, NULL, NULL), NK_OK);
 	check_same_bits(&j, want, "opts = NULL");
 	assert_int_equal(nk_cpu_norm(&j.args, &bad, NULL), NK_EINVAL);
+	job_run(&j, NK_CPU_FP32, 0);
+	check_same_bits(&j, want, "0 threads");
+	job_run(&j, NK_CPU_FP32, -3);
+	check_same_bits(&j, want, "-3 threads");
 	for (int k = 0; k < j.nouts; k++)
 		free(want[k]);
 	job_free(&j);
@@ -1388,6 +1392,175 @@ static void test_nan_stays_in_row(void **state)
 	}
 }
 
+/* ---- alignment, optional tensors, memory ---------------------------------------- */
+
+/* Buffers at every byte offset from malloc's alignment give the same bits. */
+static void test_unaligned(void **state)
+{
+	static const struct norm_case cases[] = {
+		{NK_LAYERNORM_FWD, NK_BF16, NK_BF16, AFFINE_GAMMA_BETA, false, false, 33, 1000, false},
+		{NK_LAYERNORM_BWD, NK_F16, NK_F32, AFFINE_GAMMA_BETA, true, true, 300, 1000, false},
+		{NK_RMSNORM_BWD, NK_F32, NK_F32, AFFINE_GAMMA, false, false, 300, 1000, false},
+		{NK_RMSNORM_FWD, NK_F16, NK_F16, AFFINE_GAMMA, false, false, 5, 33, false},
+	};
+
+	(void)state;
+	for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+		unsigned char *want[MAX_OUTS];
+		struct job j;
+		int nouts;
+		misalign = 0;
+		job_build(&j, &cases[k], 9500 + k);
+		job_run(&j, NK_CPU_FP32, 3);
+		outputs_copy(&j, want);
+		nouts = j.nouts;
+		job_free(&j);
+		for (misalign = 1; misalign < 4; misalign++) {
+			job_build(&j, &cases[k], 9500 + k);
+			job_run(&j, NK_CPU_FP32, 3);
+			check_same_bits(&j, want, "unaligned buffers");
+			job_free(&j);
+		}
+		misalign = 0;
+		for (int o = 0; o < nouts; o++)
+			free(want[o]);
+	}
+}
+
+/* Runs modified args with the job's outputs poisoned; returns them as bytes. */
+static void run_args(struct job *j, const struct nk_norm_args *a, unsigned char **out)
+{
+	struct nk_cpu_opts opts = {NK_CPU_FP32, 2};
+
+	for (int k = 0; k < j->nouts; k++)
+		memset(j->outs[k]->p, 0xff, j->outs[k]->bytes);
+	assert_int_equal(nk_cpu_norm(a, &opts, NULL), NK_OK);
+	job_check_guards(j);
+	outputs_copy(j, out);
+}
+
+/* Whether output k has the same bytes in both runs. */
+static bool same_out(const struct job *j, int k, unsigned char **a, unsigned char **b)
+{
+	return memcmp(a[k], b[k], j->outs[k]->bytes) == 0;
+}
+
+static void free_outs(const struct job *j, unsigned char **out)
+{
+	for (int k = 0; k < j->nouts; k++)
+		free(out[k]);
+}
+
+/* Optional outputs may be left out without changing the others; tensors an
+ * op does not read or write are neither read nor written. */
+static void test_optional_tensors(void **state)
+{
+	struct norm_case fwd = {NK_LAYERNORM_FWD, NK_F16, NK_F32, AFFINE_GAMMA_BETA, false, false,
+				300, 1000, false};
+	struct norm_case bwd = {NK_LAYERNORM_BWD, NK_BF16, NK_BF16, AFFINE_GAMMA_BETA, true, false,
+				300, 1000, false};
+	unsigned char *full[MAX_OUTS], *part[MAX_OUTS];
+	struct nk_norm_args a;
+	struct job j;
+	float *nan_stats = malloc(300 * sizeof(float));
+
+	(void)state;
+	assert_non_null(nan_stats);
+	for (int i = 0; i < 300; i++)
+		nan_stats[i] = NAN;
+	/* Forward without mean and rstd; dx and dgamma set but never touched. */
+	job_build(&j, &fwd, 9600);
+	run_args(&j, &j.args, full);
+	a = j.args;
+	a.mean = NULL;
+	a.rstd = NULL;
+	a.dx = nan_stats;
+	a.dgamma = nan_stats;
+	run_args(&j, &a, part);
+	assert_true(same_out(&j, 0, full, part));
+	for (int i = 0; i < 300; i++)
+		assert_true(isnan(nan_stats[i]));
+	free_outs(&j, full);
+	free_outs(&j, part);
+	job_free(&j);
+
+	/* Memory-efficient backward never reads mean; dbeta and dgamma may be
+	 * left out. */
+	job_build(&j, &bwd, 9601);
+	run_args(&j, &j.args, full);
+	a = j.args;
+	a.mean = nan_stats;
+	a.dbeta = NULL;
+	run_args(&j, &a, part);
+	assert_true(same_out(&j, 0, full, part) && same_out(&j, 1, full, part));
+	free_outs(&j, part);
+	a.dgamma = NULL;
+	run_args(&j, &a, part);
+	assert_true(same_out(&j, 0, full, part));
+	free_outs(&j, full);
+	free_outs(&j, part);
+	job_free(&j);
+	free(nan_stats);
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+#define UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define UNDER_ASAN 1
+#endif
+#endif
+
+/* In a child limited to 32 MiB more address space than it uses: a job
+ * whose scratch needs more returns NK_ENOMEM. 77: the limit does not work
+ * here (the probe allocation succeeded). */
+static int out_of_memory_child(void)
+{
+	const int64_t rows = 2, cols = INT64_C(1) << 22;
+	uint16_t *x = malloc((size_t)(rows * cols) * 2), *y = malloc((size_t)(rows * cols) * 2);
+	struct nk_norm_args a = {.op = NK_LAYERNORM_FWD, .rows = rows, .cols = cols, .eps = EPS,
+				 .dtype = NK_F16, .weight_dtype = NK_F16, .x = x, .y = y};
+	struct nk_cpu_opts opts = {NK_CPU_REFERENCE, 1};
+	long pages = 0;
+	FILE *f = fopen("/proc/self/statm", "r");
+	struct rlimit rl;
+
+	if (!x || !y || !f || fscanf(f, "%ld", &pages) != 1)
+		return 2;
+	fclose(f);
+	memset(x, 0x3c, (size_t)(rows * cols) * 2);
+	getrlimit(RLIMIT_AS, &rl);
+	rl.rlim_cur = (rlim_t)pages * (rlim_t)sysconf(_SC_PAGESIZE) + (32u << 20);
+	if (setrlimit(RLIMIT_AS, &rl) != 0)
+		return 77;
+	void *probe = malloc(96u << 20);
+	if (probe) {
+		free(probe);
+		return 77;
+	}
+	return nk_cpu_norm(&a, &opts, NULL) == NK_ENOMEM ? 0 : 1;
+}
+
+static void test_out_of_memory(void **state)
+{
+	int status;
+	pid_t pid;
+
+	(void)state;
+#ifdef UNDER_ASAN
+	skip(); /* AddressSanitizer reserves more address space than any limit */
+#endif
+	pid = fork();
+	assert_true(pid >= 0);
+	if (pid == 0)
+		_exit(out_of_memory_child());
+	assert_int_equal(waitpid(pid, &status, 0), pid);
+	assert_true(WIFEXITED(status));
+	if (WEXITSTATUS(status) == 77)
+		skip();
+	assert_int_equal(WEXITSTATUS(status), 0);
+}
+
 int main(void)
 {
 	const char *q = getenv("NORM_TEST_QUICK");
@@ -1412,6 +1585,9 @@ int main(void)
 		cmocka_unit_test(test_f16_matches_compiler),
 #endif
 		cmocka_unit_test(test_nan_stays_in_row),
+		cmocka_unit_test(test_unaligned),
+		cmocka_unit_test(test_optional_tensors),
+		cmocka_unit_test(test_out_of_memory),
 	};
 
 	quick = q && *q && strcmp(q, "0") != 0;

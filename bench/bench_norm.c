@@ -1,0 +1,343 @@
+/*
+ * Effective bandwidth of normd's CUDA kernels (kernels/norm_cuda_*.cu).
+ *
+ * For LayerNorm and RMSNorm forward, backward and memory-efficient backward
+ * (affine: gamma, and beta for LayerNorm; dgamma/dbeta computed), in bf16
+ * and fp32, at 2^28 elements per shape and cols in {128 ... 32768}, it
+ * times nk_cuda_norm with CUDA events (median of REPS launches after
+ * WARMUP, alternating between two buffer sets, each far bigger than L2) and
+ * counts every tensor read or written once. The device's copy bandwidth is
+ * measured first with a large device-to-device cudaMemcpy, counting bytes
+ * read plus bytes written. Each shape runs the default variant and then
+ * every autotuning candidate; the best is reported as "tuned".
+ *
+ * Output, one line per measurement, key=value (bench/run.sh joins them with
+ * bench/bench_torch.py's into one table):
+ *   device name="..." sms=N
+ *   copy gbps=G
+ *   normd op=ln_fwd dtype=bf16 cols=C rows=R us=T gbps=G pct=P variant=V
+ *         tuned_gbps=G tuned_variant=V
+ */
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/norm_kernels.h"
+
+#define TOTAL_ELEMS ((int64_t)1 << 28)
+#define WARMUP 3
+#define REPS 25
+#define TUNE_REPS 9
+#define MAX_CANDIDATES 12
+#define EPS 1e-5f
+
+static struct nk_device_info dev;
+static double copy_gbps;
+
+static void check(cudaError_t err, const char *what)
+{
+	if (err == cudaSuccess)
+		return;
+	fprintf(stderr, "bench_norm: %s: %s\n", what, cudaGetErrorString(err));
+	exit(1);
+}
+
+/* Two sets of row tensors (so that consecutive runs touch different memory). */
+struct set {
+	void *x, *y, *dy, *dx;
+	float *mean, *rstd;
+};
+
+static struct set sets[2];
+static void *gamma_d, *beta_d, *dgamma_d, *dbeta_d, *workspace;
+static size_t workspace_size = (size_t)512 << 20;
+
+static int cmp_float(const void *a, const void *b)
+{
+	float x = *(const float *)a, y = *(const float *)b;
+	return (x > y) - (x < y);
+}
+
+/* Fills n bytes with random values of dtype in [lo, hi): a host chunk, replicated. */
+static void fill_random(void *dst, enum nk_dtype dt, size_t bytes, double lo, double hi)
+{
+	static uint64_t s = 0x2545f4914f6cdd1dull;
+	size_t chunk = (size_t)16 << 20, es = nk_dtype_size(dt);
+	unsigned char *h = malloc(chunk);
+
+	if (!h)
+		check(cudaErrorMemoryAllocation, "host allocation");
+	for (size_t i = 0; i < chunk / es; i++) {
+		s ^= s << 13;
+		s ^= s >> 7;
+		s ^= s << 17;
+		nk_store(dt, h, i, lo + (hi - lo) * (double)(s >> 11) / 9007199254740992.0);
+	}
+	for (size_t off = 0; off < bytes; off += chunk) {
+		size_t n = bytes - off < chunk ? bytes - off : chunk;
+		check(cudaMemcpy((char *)dst + off, h, n, cudaMemcpyHostToDevice), "fill");
+	}
+	free(h);
+}
+
+static double measure_copy(void)
+{
+	size_t bytes = (size_t)2 << 30;
+	void *a, *b;
+	cudaEvent_t e0, e1;
+	float ms[REPS];
+
+	check(cudaMalloc(&a, bytes), "cudaMalloc copy");
+	check(cudaMalloc(&b, bytes), "cudaMalloc copy");
+	check(cudaMemset(a, 1, bytes), "memset");
+	check(cudaEventCreate(&e0), "event");
+	check(cudaEventCreate(&e1), "event");
+	for (int r = 0; r < WARMUP + REPS; r++) {
+		check(cudaEventRecord(e0, 0), "record");
+		check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0), "copy");
+		check(cudaEventRecord(e1, 0), "record");
+		check(cudaEventSynchronize(e1), "sync");
+		if (r >= WARMUP)
+			check(cudaEventElapsedTime(&ms[r - WARMUP], e0, e1), "elapsed");
+	}
+	qsort(ms, REPS, sizeof(float), cmp_float);
+	cudaFree(a);
+	cudaFree(b);
+	cudaEventDestroy(e0);
+	cudaEventDestroy(e1);
+	return 2.0 * (double)bytes / (ms[REPS / 2] * 1e-3) / 1e9;
+}
+
+/* One benchmarked job: op, dtype, cols; mem-eff backward if memeff. */
+struct bjob {
+	enum nk_op op;
+	enum nk_dtype dt;
+	bool memeff;
+	int64_t rows, cols;
+};
+
+static bool ln_op(enum nk_op op)
+{
+	return op == NK_LAYERNORM_FWD || op == NK_LAYERNORM_BWD;
+}
+
+static bool bwd_op(enum nk_op op)
+{
+	return op == NK_LAYERNORM_BWD || op == NK_RMSNORM_BWD;
+}
+
+static void args_for(const struct bjob *b, const struct set *s, struct nk_norm_args *a)
+{
+	bool ln = ln_op(b->op);
+	memset(a, 0, sizeof(*a));
+	a->op = b->op;
+	a->rows = b->rows;
+	a->cols = b->cols;
+	a->eps = EPS;
+	a->dtype = b->dt;
+	a->weight_dtype = b->dt;
+	a->gamma = gamma_d;
+	a->beta = ln ? beta_d : NULL;
+	a->rstd = s->rstd;
+	if (!bwd_op(b->op)) {
+		a->x = s->x;
+		a->y = s->y;
+		a->mean = ln ? s->mean : NULL;
+		return;
+	}
+	a->flags = b->memeff ? NK_MEMORY_EFFICIENT : 0;
+	a->x = b->memeff ? s->y : s->x;
+	a->mean = ln && !b->memeff ? s->mean : NULL;
+	a->dy = s->dy;
+	a->dx = s->dx;
+	a->dgamma = dgamma_d;
+	a->dbeta = ln ? dbeta_d : NULL;
+}
+
+/* Bytes a job must move: every tensor it reads or writes, once. */
+static double job_bytes(const struct bjob *b)
+{
+	double n = (double)b->rows * (double)b->cols, es = (double)nk_dtype_size(b->dt);
+	double row = n * es, col = (double)b->cols * es, stat = (double)b->rows * 4;
+	bool ln = ln_op(b->op);
+
+	if (!bwd_op(b->op)) /* x, y, gamma, beta, mean, rstd */
+		return 2 * row + col * (ln ? 2 : 1) + stat * (ln ? 2 : 1);
+	/* x or y, dy, dx, rstd, gamma, dgamma; LN: dbeta and mean, or beta (mem-eff) */
+	return 3 * row + stat + 2 * col + (ln ? col + (b->memeff ? col : stat) : 0);
+}
+
+/* Median microseconds of `reps` runs of the job with variant v. */
+static double time_job(const struct bjob *b, const struct nk_variant *v, int reps,
+		       struct nk_variant *ran)
+{
+	struct nk_cuda_exec exec = {NULL, workspace, workspace_size, NULL};
+	struct nk_norm_args a[2];
+	cudaEvent_t e0, e1;
+	float ms[REPS];
+
+	args_for(b, &sets[0], &a[0]);
+	args_for(b, &sets[1], &a[1]);
+	if (nk_cuda_workspace_bytes(&a[0], &dev, v) > workspace_size) {
+		fprintf(stderr, "bench_norm: workspace too small\n");
+		exit(1);
+	}
+	check(cudaEventCreate(&e0), "event");
+	check(cudaEventCreate(&e1), "event");
+	for (int r = 0; r < WARMUP + reps; r++) {
+		check(cudaEventRecord(e0, 0), "record");
+		if (nk_cuda_norm(&a[r & 1], &dev, v, &exec, ran) != NK_OK) {
+			fprintf(stderr, "bench_norm: nk_cuda_norm: %s\n", nk_cuda_last_error());
+			exit(1);
+		}
+		check(cudaEventRecord(e1, 0), "record");
+		check(cudaEventSynchronize(e1), "sync");
+		if (r >= WARMUP)
+			check(cudaEventElapsedTime(&ms[r - WARMUP], e0, e1), "elapsed");
+	}
+	check(cudaGetLastError(), "kernel");
+	cudaEventDestroy(e0);
+	cudaEventDestroy(e1);
+	qsort(ms, (size_t)reps, sizeof(float), cmp_float);
+	return ms[reps / 2] * 1e3;
+}
+
+/* Forward outputs (y, mean, rstd) for the backward jobs of a shape. */
+static void prepare_backward(const struct bjob *b)
+{
+	struct bjob f = *b;
+	struct nk_cuda_exec exec = {NULL, workspace, workspace_size, NULL};
+	f.op = ln_op(b->op) ? NK_LAYERNORM_FWD : NK_RMSNORM_FWD;
+	for (int k = 0; k < 2; k++) {
+		struct nk_norm_args a;
+		args_for(&f, &sets[k], &a);
+		a.mean = sets[k].mean; /* LN needs it; RMS ignores a NULL-checked mean */
+		if (!ln_op(f.op))
+			a.mean = NULL;
+		if (nk_cuda_norm(&a, &dev, NULL, &exec, NULL) != NK_OK) {
+			fprintf(stderr, "bench_norm: forward: %s\n", nk_cuda_last_error());
+			exit(1);
+		}
+	}
+	check(cudaDeviceSynchronize(), "forward");
+}
+
+static const char *op_label(const struct bjob *b)
+{
+	if (!bwd_op(b->op))
+		return ln_op(b->op) ? "ln_fwd" : "rms_fwd";
+	if (b->memeff)
+		return ln_op(b->op) ? "ln_bwd_memeff" : "rms_bwd_memeff";
+	return ln_op(b->op) ? "ln_bwd" : "rms_bwd";
+}
+
+static void bench_job(const struct bjob *b)
+{
+	struct nk_norm_args a;
+	struct nk_variant cand[MAX_CANDIDATES], ran, best;
+	char name[96], best_name[96];
+	double bytes = job_bytes(b);
+
+	if (bwd_op(b->op))
+		prepare_backward(b);
+	double us = time_job(b, NULL, REPS, &ran);
+	nk_variant_name(&ran, name, sizeof(name));
+	double best_us = us;
+	best = ran;
+
+	args_for(b, &sets[0], &a);
+	int n = nk_cuda_variant_candidates(&a, &dev, cand, MAX_CANDIDATES);
+	for (int k = 1; k < n; k++) {
+		double t = time_job(b, &cand[k], TUNE_REPS, NULL);
+		if (t < best_us) {
+			best_us = t;
+			best = cand[k];
+		}
+	}
+	nk_variant_name(&best, best_name, sizeof(best_name));
+	double gbps = bytes / (us * 1e-6) / 1e9, tuned = bytes / (best_us * 1e-6) / 1e9;
+	printf("normd op=%s dtype=%s cols=%lld rows=%lld us=%.1f gbps=%.1f pct=%.1f variant=%s "
+	       "tuned_gbps=%.1f tuned_pct=%.1f tuned_variant=%s\n",
+	       op_label(b), nk_dtype_name(b->dt), (long long)b->cols, (long long)b->rows, us, gbps,
+	       100.0 * gbps / copy_gbps, name, tuned, 100.0 * tuned / copy_gbps, best_name);
+	fflush(stdout);
+}
+
+static void setup(void)
+{
+	struct cudaDeviceProp prop;
+	size_t row_bytes = (size_t)TOTAL_ELEMS * 4;
+	int64_t max_rows = TOTAL_ELEMS / 128;
+
+	check(cudaGetDevice(&dev.ordinal), "cudaGetDevice");
+	check(cudaGetDeviceProperties(&prop, dev.ordinal), "properties");
+	dev.sm_count = prop.multiProcessorCount;
+	dev.max_threads_per_sm = prop.maxThreadsPerMultiProcessor;
+	dev.max_smem_per_block_optin = prop.sharedMemPerBlockOptin;
+	dev.cc_major = prop.major;
+	dev.cc_minor = prop.minor;
+	printf("device name=\"%s\" sms=%d l2_mb=%d\n", prop.name, dev.sm_count,
+	       prop.l2CacheSize >> 20);
+	copy_gbps = measure_copy();
+	printf("copy gbps=%.1f\n", copy_gbps);
+	for (int k = 0; k < 2; k++) {
+		struct set *s = &sets[k];
+		check(cudaMalloc(&s->x, row_bytes), "cudaMalloc");
+		check(cudaMalloc(&s->y, row_bytes), "cudaMalloc");
+		check(cudaMalloc(&s->dy, row_bytes), "cudaMalloc");
+		check(cudaMalloc(&s->dx, row_bytes), "cudaMalloc");
+		check(cudaMalloc((void **)&s->mean, (size_t)max_rows * 4), "cudaMalloc");
+		check(cudaMalloc((void **)&s->rstd, (size_t)max_rows * 4), "cudaMalloc");
+	}
+	check(cudaMalloc(&gamma_d, 65536 * 4), "cudaMalloc");
+	check(cudaMalloc(&beta_d, 65536 * 4), "cudaMalloc");
+	check(cudaMalloc(&dgamma_d, 65536 * 4), "cudaMalloc");
+	check(cudaMalloc(&dbeta_d, 65536 * 4), "cudaMalloc");
+	check(cudaMalloc(&workspace, workspace_size), "cudaMalloc");
+}
+
+/* Random x and dy of dtype in both sets, random weights. */
+static void fill_inputs(enum nk_dtype dt)
+{
+	size_t bytes = (size_t)TOTAL_ELEMS * nk_dtype_size(dt);
+	for (int k = 0; k < 2; k++) {
+		fill_random(sets[k].x, dt, bytes, -2.0, 2.6);
+		fill_random(sets[k].dy, dt, bytes, -1.0, 1.0);
+	}
+	fill_random(gamma_d, dt, 65536 * nk_dtype_size(dt), 0.5, 1.5);
+	fill_random(beta_d, dt, 65536 * nk_dtype_size(dt), -0.5, 0.5);
+}
+
+int main(int argc, char **argv)
+{
+	const int64_t cols[] = {128, 512, 1024, 2048, 4096, 8192, 12288, 16384, 32768};
+	const enum nk_dtype dts[] = {NK_BF16, NK_F32};
+	const struct {
+		enum nk_op op;
+		bool memeff;
+	} ops[] = {
+		{NK_LAYERNORM_FWD, false}, {NK_LAYERNORM_BWD, false}, {NK_LAYERNORM_BWD, true},
+		{NK_RMSNORM_FWD, false},   {NK_RMSNORM_BWD, false},   {NK_RMSNORM_BWD, true},
+	};
+	/* An optional argument limits the run to one cols value (for quick looks). */
+	int64_t only = argc > 1 ? atoll(argv[1]) : 0;
+
+	setup();
+	for (int d = 0; d < 2; d++) {
+		fill_inputs(dts[d]);
+		for (size_t c = 0; c < sizeof(cols) / sizeof(cols[0]); c++) {
+			if (only && cols[c] != only)
+				continue;
+			for (size_t o = 0; o < sizeof(ops) / sizeof(ops[0]); o++) {
+				struct bjob b = {ops[o].op, dts[d], ops[o].memeff,
+						 TOTAL_ELEMS / cols[c], cols[c]};
+				bench_job(&b);
+			}
+		}
+	}
+	return 0;
+}

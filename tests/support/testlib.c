@@ -1,0 +1,254 @@
+/*
+ * Test support (see testlib.h).
+ */
+#include "tests/support/testlib.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "client/tools/jobkit.h"
+#include "normclient.h"
+#include "proto/frame.h"
+
+static void sleep_ms(int ms)
+{
+	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+	nanosleep(&ts, NULL);
+}
+
+int test_daemon_start(struct test_daemon *d, const char *const *extra)
+{
+	memset(d, 0, sizeof(*d));
+	snprintf(d->dir, sizeof(d->dir), "/tmp/normd-test.XXXXXX");
+	if (!mkdtemp(d->dir))
+		return -1;
+	snprintf(d->socket, sizeof(d->socket), "%s/normd.sock", d->dir);
+	snprintf(d->log, sizeof(d->log), "%s/normd.log", d->dir);
+	const char *bin = getenv("NORMD_BIN") ? getenv("NORMD_BIN") : "build/bin/normd";
+	const char *argv[64] = {bin, "--device", "cpu", "--socket", d->socket, "--log-level",
+				"debug"};
+	int argc = 7;
+	for (int i = 0; extra && extra[i] && argc < 63; i++)
+		argv[argc++] = extra[i];
+	argv[argc] = NULL;
+	d->pid = fork();
+	if (d->pid < 0)
+		return -1;
+	if (d->pid == 0) {
+		int log = open(d->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+		if (log >= 0)
+			dup2(log, STDERR_FILENO);
+		execv(bin, (char *const *)argv);
+		_exit(127);
+	}
+	for (int i = 0; i < 400; i++) {
+		struct stat st;
+		if (stat(d->socket, &st) == 0 && S_ISSOCK(st.st_mode))
+			return 0;
+		if (!test_daemon_alive(d))
+			break;
+		sleep_ms(10);
+	}
+	test_daemon_dump_log(d);
+	test_daemon_stop(d);
+	return -1;
+}
+
+bool test_daemon_alive(struct test_daemon *d)
+{
+	if (d->pid <= 0 || d->exited)
+		return false;
+	if (waitpid(d->pid, &d->wait_status, WNOHANG) == d->pid) {
+		d->exited = true;
+		return false;
+	}
+	return true;
+}
+
+int test_daemon_stop(struct test_daemon *d)
+{
+	int status = 0;
+	if (d->exited) {
+		status = d->wait_status;
+	} else if (d->pid > 0) {
+		kill(d->pid, SIGTERM);
+		int waited = 0;
+		while (waitpid(d->pid, &status, WNOHANG) == 0) {
+			if (++waited > 1500) { /* 15 s */
+				kill(d->pid, SIGKILL);
+				waitpid(d->pid, &status, 0);
+				status = -1;
+				break;
+			}
+			sleep_ms(10);
+		}
+	}
+	d->pid = 0;
+	unlink(d->socket);
+	unlink(d->log);
+	rmdir(d->dir);
+	if (status == -1)
+		return -1;
+	return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+void test_daemon_dump_log(const struct test_daemon *d)
+{
+	FILE *f = fopen(d->log, "r");
+	char line[1024];
+	if (!f)
+		return;
+	fprintf(stderr, "---- normd log ----\n");
+	while (fgets(line, sizeof(line), f))
+		fputs(line, stderr);
+	fprintf(stderr, "-------------------\n");
+	fclose(f);
+}
+
+int raw_connect(const char *socket_path)
+{
+	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", socket_path);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -1;
+	if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0) {
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+int raw_write(int fd, const void *bytes, size_t len)
+{
+	const char *p = bytes;
+	while (len > 0) {
+		ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			return -1;
+		p += n;
+		len -= (size_t)n;
+	}
+	return 0;
+}
+
+int raw_send(int fd, Normd__Envelope *env)
+{
+	uint8_t *frame;
+	size_t len;
+	if (nc__frame_pack(env, UINT32_MAX, &frame, &len))
+		return -1;
+	int rc = raw_write(fd, frame, len);
+	nc__free(frame);
+	return rc;
+}
+
+int raw_hello(int fd)
+{
+	Normd__Hello hello = NORMD__HELLO__INIT;
+	hello.protocol_version = NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION;
+	hello.client_name = "raw-test";
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.has_request_id = true;
+	env.request_id = 1;
+	env.body_case = NORMD__ENVELOPE__BODY_HELLO;
+	env.hello = &hello;
+	if (raw_send(fd, &env))
+		return -1;
+	Normd__Envelope *reply = raw_recv(fd, 5000);
+	int rc = reply && reply->body_case == NORMD__ENVELOPE__BODY_HELLO_REPLY ? 0 : -1;
+	nc__envelope_free(reply);
+	return rc;
+}
+
+static int read_exact(int fd, uint8_t *buf, size_t len, int timeout_ms)
+{
+	size_t got = 0;
+	while (got < len) {
+		struct pollfd pfd = {.fd = fd, .events = POLLIN};
+		if (poll(&pfd, 1, timeout_ms) <= 0)
+			return -1;
+		ssize_t n = recv(fd, buf + got, len - got, 0);
+		if (n <= 0)
+			return -1;
+		got += (size_t)n;
+	}
+	return 0;
+}
+
+Normd__Envelope *raw_recv(int fd, int timeout_ms)
+{
+	uint8_t header[NC__FRAME_HEADER_BYTES];
+	if (read_exact(fd, header, sizeof(header), timeout_ms))
+		return NULL;
+	uint32_t len = nc__frame_length(header);
+	if (len > (1u << 24))
+		return NULL;
+	uint8_t *body = malloc(len ? len : 1);
+	if (!body || read_exact(fd, body, len, timeout_ms)) {
+		free(body);
+		return NULL;
+	}
+	Normd__Envelope *env = nc__envelope_unpack(body, len, NULL);
+	free(body);
+	return env;
+}
+
+bool raw_closed(int fd, int timeout_ms)
+{
+	char buf[4096];
+	for (;;) {
+		struct pollfd pfd = {.fd = fd, .events = POLLIN};
+		if (poll(&pfd, 1, timeout_ms) <= 0)
+			return false;
+		ssize_t n = recv(fd, buf, sizeof(buf), 0);
+		if (n == 0 || (n < 0 && errno == ECONNRESET))
+			return true;
+		if (n < 0)
+			return false;
+	}
+}
+
+static bool run_checked(nc_conn *conn, const struct jobkit_spec *spec)
+{
+	struct jobkit kit;
+	struct nc_job_result result;
+	struct jobkit_report report;
+	if (jobkit_create(conn, spec, &kit))
+		return false;
+	bool ok = nc_job_run(conn, &kit.job, 30000, &result) == NC_OK &&
+		  jobkit_check(&kit, &report);
+	if (!ok)
+		fprintf(stderr, "good client: job failed: %s %s\n", result.message, report.detail);
+	jobkit_destroy(&kit);
+	return ok;
+}
+
+bool good_client_works(const char *socket_path)
+{
+	nc_conn *conn;
+	if (nc_connect(socket_path, "good-client", 5000, &conn)) {
+		fprintf(stderr, "good client: connect: %s\n", nc_last_error());
+		return false;
+	}
+	struct jobkit_spec bwd = {.op = NC_LAYERNORM_BWD, .rows = 33, .cols = 257,
+				  .dtype = NC_F32, .gamma = true, .beta = true, .seed = 7};
+	struct jobkit_spec fwd = {.op = NC_RMSNORM_FWD, .rows = 17, .cols = 1000,
+				  .dtype = NC_BF16, .gamma = true, .seed = 8};
+	bool ok = run_checked(conn, &bwd) && run_checked(conn, &fwd);
+	nc_close(conn);
+	return ok;
+}

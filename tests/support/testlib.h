@@ -1,0 +1,58 @@
+/*
+ * Test support: start and stop a real normd on a private socket, and talk
+ * to it below the client library (raw frames) to send what a well-behaved
+ * client never would. Used with cmocka.
+ */
+#ifndef NORMD_TESTLIB_H
+#define NORMD_TESTLIB_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "normd.pb-c.h"
+
+struct test_daemon {
+	pid_t pid;        /* 0 once reaped */
+	bool exited;      /* it exited by itself; wait_status holds how */
+	int wait_status;
+	char dir[64];     /* private temporary directory */
+	char socket[128]; /* its socket */
+	char log[128];    /* its stderr */
+};
+
+/*
+ * Starts build/bin/normd (or $NORMD_BIN) with --device cpu on a private
+ * socket plus `extra` arguments (NULL-terminated, may be NULL) and waits
+ * until it accepts. Returns 0 or -1.
+ */
+int test_daemon_start(struct test_daemon *d, const char *const *extra);
+/* True while the daemon process is alive. */
+bool test_daemon_alive(struct test_daemon *d);
+/* SIGTERM, wait; returns the exit status (or -1 if it had to be killed). */
+int test_daemon_stop(struct test_daemon *d);
+/* Prints the daemon's log to stderr (for failures). */
+void test_daemon_dump_log(const struct test_daemon *d);
+
+/* Raw connection: returns a connected fd or -1. */
+int raw_connect(const char *socket_path);
+/* Writes all bytes; returns 0 or -1. */
+int raw_write(int fd, const void *bytes, size_t len);
+/* Packs and sends one envelope (request_id set by the caller). */
+int raw_send(int fd, Normd__Envelope *env);
+/* Sends Hello (request id 1) and reads the HelloReply; returns 0 or -1. */
+int raw_hello(int fd);
+/* Reads one envelope within timeout_ms; NULL on timeout, EOF or garbage. */
+Normd__Envelope *raw_recv(int fd, int timeout_ms);
+/* True if the peer closed the connection within timeout_ms (EOF seen). */
+bool raw_closed(int fd, int timeout_ms);
+
+/*
+ * Runs one well-behaved client: connects, runs a LayerNorm backward and an
+ * RMSNorm forward through the library and checks them against the reference.
+ * Returns true when both were correct.
+ */
+bool good_client_works(const char *socket_path);
+
+#endif /* NORMD_TESTLIB_H */
