@@ -215,9 +215,6 @@ static void prepare_backward(const struct bjob *b)
 	for (int k = 0; k < 2; k++) {
 		struct nk_norm_args a;
 		args_for(&f, &sets[k], &a);
-		a.mean = sets[k].mean; /* LN needs it; RMS ignores a NULL-checked mean */
-		if (!ln_op(f.op))
-			a.mean = NULL;
 		if (nk_cuda_norm(&a, &dev, NULL, &exec, NULL) != NK_OK) {
 			fprintf(stderr, "bench_norm: forward: %s\n", nk_cuda_last_error());
 			exit(1);

@@ -1,0 +1,26 @@
+#!/bin/sh
+# Runs every GPU test program in BUILD_DIR/tests/gpu, each in its own
+# process with a timeout; prints each program's summary and a total, and
+# exits non-zero if any program failed.
+# Usage: sh tests/gpu/run.sh BUILD_DIR
+set -u
+build=${1:-build}
+timeout_s=${GPU_TEST_TIMEOUT:-900}
+status=0
+found=0
+for t in "$build"/tests/gpu/test_*; do
+	[ -x "$t" ] || continue
+	found=1
+	echo "== $(basename "$t")"
+	if timeout "$timeout_s" "$t"; then
+		echo "== $(basename "$t"): ok"
+	else
+		echo "== $(basename "$t"): FAILED (exit $?)"
+		status=1
+	fi
+done
+if [ "$found" = 0 ]; then
+	echo "no GPU test programs in $build/tests/gpu" >&2
+	exit 1
+fi
+exit $status
