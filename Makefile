@@ -65,13 +65,14 @@ $(B)/obj/kernels/%.cu.o: kernels/%.cu kernels/norm_kernels.h
 	$(NVCC) $(NVCC_FLAGS) -c $< -o $@
 
 PROTO_OBJS := $(B)/obj/gen/normd.pb-c.o $(B)/obj/proto/frame.o
-KERNEL_CPU_OBJS := $(B)/obj/kernels/norm_cpu.o $(B)/obj/kernels/norm_common.o
+KERNEL_CPU_OBJS := $(B)/obj/kernels/norm_cpu.o $(B)/obj/kernels/norm_common.o \
+	$(B)/obj/kernels/cuda_driver.o
 KERNEL_CUDA_OBJS := $(patsubst kernels/%.cu,$(B)/obj/kernels/%.cu.o,$(wildcard kernels/*.cu))
 DAEMON_SRCS := $(wildcard daemon/*.c)
 DAEMON_OBJS := $(patsubst %.c,$(B)/obj/%.o,$(DAEMON_SRCS))
 CLIENT_SRCS := $(wildcard client/lib/*.c)
 CLIENT_OBJS := $(patsubst %.c,$(B)/obj/%.o,$(CLIENT_SRCS))
-CLIENT_PIC_OBJS := $(patsubst %.c,$(B)/pic/%.o,$(CLIENT_SRCS) proto/frame.c)
+CLIENT_PIC_OBJS := $(patsubst %.c,$(B)/pic/%.o,$(CLIENT_SRCS) proto/frame.c kernels/cuda_driver.c)
 
 $(B)/lib/libnormkernels.a: $(KERNEL_CPU_OBJS) $(KERNEL_CUDA_OBJS)
 	@mkdir -p $(dir $@)
@@ -87,14 +88,14 @@ $(B)/bin/normd: $(DAEMON_OBJS) $(B)/lib/libnormkernels.a $(B)/lib/libnormproto.a
 	$(CC) $(LDFLAGS) -o $@ $(DAEMON_OBJS) $(B)/lib/libnormkernels.a $(B)/lib/libnormproto.a \
 		$(STATIC_UV) $(STATIC_PB) $(CUDART) $(SYS_LIBS) -lstdc++
 
-$(B)/lib/libnormclient.a: $(CLIENT_OBJS) $(PROTO_OBJS)
+$(B)/lib/libnormclient.a: $(CLIENT_OBJS) $(PROTO_OBJS) $(B)/obj/kernels/cuda_driver.o
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
 $(B)/lib/libnormclient.so: $(CLIENT_PIC_OBJS) $(B)/obj/gen/normd.pb-c.o
 	@mkdir -p $(dir $@)
 	$(CC) -shared -Wl,-soname,libnormclient.so.0 -Wl,--no-undefined $(LDFLAGS) -o $@ $^ \
-		-lprotobuf-c $(SYS_LIBS)
+		-lprotobuf-c $(CUDART) $(SYS_LIBS)
 
 $(B)/lib/pkgconfig/normclient.pc: client/normclient.pc.in Makefile
 	@mkdir -p $(dir $@)

@@ -250,6 +250,10 @@ static void bench_job(const struct bjob *b)
 	int n = nk_cuda_variant_candidates(&a, &dev, cand, MAX_CANDIDATES);
 	for (int k = 1; k < n; k++) {
 		double t = time_job(b, &cand[k], TUNE_REPS, NULL);
+		char cn[96];
+		nk_variant_name(&cand[k], cn, sizeof(cn));
+		printf("candidate op=%s dtype=%s cols=%lld variant=%s gbps=%.1f\n", op_label(b),
+		       nk_dtype_name(b->dt), (long long)b->cols, cn, bytes / (t * 1e-6) / 1e9);
 		if (t < best_us) {
 			best_us = t;
 			best = cand[k];

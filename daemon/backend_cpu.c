@@ -51,6 +51,28 @@ static void cpu_run_job(struct backend_cpu *cpu, struct job *job)
 	}
 }
 
+static int cpu_region_map(struct backend *backend, const struct region_table *table,
+			  const Normd__RegisterRegion *msg, int fd, struct region **out, char *why,
+			  size_t why_len)
+{
+	(void)backend;
+	(void)table;
+	if (msg->kind != NORMD__REGION_KIND__HOST_MEMFD) {
+		if (fd >= 0)
+			close(fd);
+		snprintf(why, why_len, "region kind %d is not supported by the cpu backend "
+			 "(use HOST_MEMFD)", (int)msg->kind);
+		return NC_EUNSUPPORTED;
+	}
+	if (fd < 0) {
+		snprintf(why, why_len, "HOST_MEMFD region arrived without an fd");
+		return NC_EINVALID_ARGUMENT;
+	}
+	return region_map_memfd(fd, msg->region_id, msg->size, out, why, why_len);
+}
+
+static const struct backend_device cpu_device = {.index = -1, .name = "host"};
+
 static void cpu_worker(void *arg)
 {
 	struct backend_cpu *cpu = arg;
@@ -114,6 +136,9 @@ int backend_cpu_create(const struct config *cfg, struct backend **out)
 		return NC_ENOMEM;
 	cpu->base.name = "cpu";
 	cpu->base.kind = NORMD__BACKEND_KIND__BACKEND_CPU;
+	cpu->base.devices = &cpu_device;
+	cpu->base.device_count = 1;
+	cpu->base.region_map = cpu_region_map;
 	cpu->base.submit = cpu_submit;
 	cpu->base.destroy = cpu_destroy;
 	cpu->threads_per_job = cfg->cpu_threads ? (int)cfg->cpu_threads : (int)cores;

@@ -47,16 +47,8 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 	/* Claim the fd first so that a refused request never leaves it queued. */
 	int fd = msg->kind == NORMD__REGION_KIND__HOST_MEMFD ? client_claim_fd(c) : -1;
 	char why[192];
-	int rc;
-	if (msg->kind != NORMD__REGION_KIND__HOST_MEMFD) {
-		rc = NC_EUNSUPPORTED;
-		snprintf(why, sizeof(why), "region kind %d is not supported by the %s backend",
-			 (int)msg->kind, c->srv->backend->name);
-	} else if (fd < 0) {
-		rc = NC_EINVALID_ARGUMENT;
-		snprintf(why, sizeof(why), "HOST_MEMFD region %llu arrived without an fd",
-			 (unsigned long long)msg->region_id);
-	} else if (msg->region_id == 0 || msg->size == 0) {
+	int rc = 0;
+	if (msg->region_id == 0 || msg->size == 0) {
 		rc = NC_EINVALID_ARGUMENT;
 		snprintf(why, sizeof(why), "region_id and size must be non-zero");
 	} else if (region_lookup(&c->regions, msg->region_id)) {
@@ -71,17 +63,16 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 		rc = NC_ERESOURCE_EXHAUSTED;
 		snprintf(why, sizeof(why), "size %llu would exceed max_mapped_bytes (%llu)",
 			 (unsigned long long)msg->size, (unsigned long long)cfg->max_mapped_bytes);
-	} else {
-		rc = 1; /* checks passed */
 	}
-	if (rc != 1) {
+	if (rc) {
 		if (fd >= 0)
 			close(fd);
 		reply_result(c, request_id, rc, "%s", why);
 		return;
 	}
+	struct backend *backend = c->srv->backend;
 	struct region *region;
-	rc = region_map_memfd(fd, msg->region_id, msg->size, &region, why, sizeof(why));
+	rc = backend->region_map(backend, &c->regions, msg, fd, &region, why, sizeof(why));
 	if (rc == 0) {
 		rc = region_insert(&c->regions, region);
 		if (rc) {
@@ -94,8 +85,9 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 			     (unsigned long long)msg->region_id, why);
 		return;
 	}
-	log_debug("event=register client=%llu region=%llu size=%llu", (unsigned long long)c->id,
-		  (unsigned long long)msg->region_id, (unsigned long long)msg->size);
+	log_debug("event=register client=%llu region=%llu size=%llu device=%d",
+		  (unsigned long long)c->id, (unsigned long long)msg->region_id,
+		  (unsigned long long)msg->size, region->device);
 	reply_result(c, request_id, NC_OK, NULL);
 }
 
@@ -136,6 +128,9 @@ void dispatch_envelope(struct client *c, Normd__Envelope *env)
 		break;
 	case NORMD__ENVELOPE__BODY_STATS:
 		reply_stats(c, id);
+		break;
+	case NORMD__ENVELOPE__BODY_VARIANTS:
+		reply_variants(c, id);
 		break;
 	case NORMD__ENVELOPE__BODY_PING:
 		reply_pong(c, id, env->ping->has_nonce ? env->ping->nonce : 0);

@@ -220,6 +220,14 @@ static int job_bind_tensors(struct job *job, struct client *c, const Normd__Job 
 		if (t && job_bind_tensor(job, c, t, (enum tensor_role)role, &ptr[role]))
 			return job->status;
 	}
+	/* A job runs where its memory is: every tensor on one device. */
+	job->device = job->regions[0]->device;
+	for (unsigned i = 1; i < job->region_count; i++) {
+		if (job->regions[i]->device != job->device)
+			return job_refuse(job, NC_EINVALID_ARGUMENT,
+					  "tensors live on different devices (%d and %d)",
+					  job->device, job->regions[i]->device);
+	}
 	struct nk_norm_args *a = &job->args;
 	a->x = ptr[T_X];
 	a->y = (void *)ptr[T_Y];
@@ -347,6 +355,11 @@ void job_drain_completions(uv_async_t *async)
 		job_finish(job);
 		job = next;
 	}
+	const char *fatal = srv->backend && srv->backend->fatal_error
+				    ? srv->backend->fatal_error(srv->backend)
+				    : NULL;
+	if (fatal)
+		server_fail(srv, fatal);
 	if (srv->draining)
 		server_drain_check(srv);
 }

@@ -14,10 +14,7 @@ static int backend_create(const struct config *cfg, struct backend **out)
 {
 	if (!strcmp(cfg->device, "cpu"))
 		return backend_cpu_create(cfg, out);
-	log_error("event=no_device device=%s error=\"the CUDA backend is not part of this build "
-		  "yet; start with --device cpu\"",
-		  cfg->device);
-	return NC_EUNSUPPORTED;
+	return backend_cuda_create(cfg, out);
 }
 
 int main(int argc, char **argv)

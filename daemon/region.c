@@ -140,11 +140,41 @@ void region_unref(struct region *region)
 {
 	if (!region || --region->refs > 0)
 		return;
-	if (region->kind == NORMD__REGION_KIND__HOST_MEMFD && region->base)
+	if (region->release)
+		region->release(region);
+	else if (region->kind == NORMD__REGION_KIND__HOST_MEMFD && region->base)
 		munmap(region->base, region->mapped_size);
 	live_regions--;
 	live_bytes -= region->mapped_size;
 	nc__free(region);
+}
+
+struct region *region_find_handle(const struct region_table *table, const uint8_t handle[64],
+				  int device)
+{
+	for (size_t i = 0; i < table->capacity; i++) {
+		struct region *r = table->slots[i];
+		if (r && r->kind == NORMD__REGION_KIND__CUDA_IPC && r->device == device &&
+		    !memcmp(r->handle, handle, 64))
+			return r;
+	}
+	return NULL;
+}
+
+struct region *region_new(uint64_t id, Normd__RegionKind kind, uint64_t size, int device)
+{
+	struct region *region = nc__calloc(1, sizeof(*region));
+	if (!region)
+		return NULL;
+	region->id = id;
+	region->kind = kind;
+	region->size = size;
+	region->mapped_size = (size_t)size;
+	region->device = device;
+	region->refs = 1;
+	live_regions++;
+	live_bytes += region->mapped_size;
+	return region;
 }
 
 /* Makes sure the file cannot shrink under us; adds the seal if allowed. */
@@ -182,29 +212,21 @@ int region_map_memfd(int fd, uint64_t id, uint64_t size, struct region **out, ch
 		rc = NC_EOUT_OF_RANGE;
 		goto out_close;
 	}
-	struct region *region = nc__calloc(1, sizeof(*region));
-	if (!region) {
-		snprintf(why, why_len, "out of memory");
-		rc = NC_ENOMEM;
-		goto out_close;
-	}
 	void *base = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	if (base == MAP_FAILED) {
 		snprintf(why, why_len, "mmap of %llu bytes failed: %s", (unsigned long long)size,
 			 strerror(errno));
 		rc = errno == ENOMEM ? NC_ERESOURCE_EXHAUSTED : NC_EINVALID_ARGUMENT;
-		nc__free(region);
 		goto out_close;
 	}
-	region->id = id;
-	region->kind = NORMD__REGION_KIND__HOST_MEMFD;
+	struct region *region = region_new(id, NORMD__REGION_KIND__HOST_MEMFD, size, -1);
+	if (!region) {
+		munmap(base, (size_t)size);
+		snprintf(why, why_len, "out of memory");
+		rc = NC_ENOMEM;
+		goto out_close;
+	}
 	region->base = base;
-	region->size = size;
-	region->mapped_size = (size_t)size;
-	region->device = -1;
-	region->refs = 1;
-	live_regions++;
-	live_bytes += region->mapped_size;
 	*out = region;
 	rc = 0;
 out_close:

@@ -66,19 +66,33 @@ void reply_hello(struct client *c, uint64_t request_id)
 	limits.max_jobs_in_flight = (uint32_t)cfg->max_jobs_in_flight;
 	limits.max_cols = cfg->max_cols;
 
-	Normd__Device cpu = NORMD__DEVICE__INIT;
-	cpu.index = -1;
-	cpu.name = "host";
-	Normd__Device *devices[] = {&cpu};
+	const struct backend *backend = c->srv->backend;
+	Normd__Device devices[backend->device_count];
+	Normd__Device *device_ptrs[backend->device_count];
+	for (int i = 0; i < backend->device_count; i++) {
+		const struct backend_device *d = &backend->devices[i];
+		normd__device__init(&devices[i]);
+		devices[i].index = d->index;
+		devices[i].name = (char *)d->name;
+		if (d->index >= 0) {
+			devices[i].has_uuid = devices[i].has_sm_count = true;
+			devices[i].has_total_memory = true;
+			devices[i].uuid.data = (uint8_t *)d->uuid;
+			devices[i].uuid.len = sizeof(d->uuid);
+			devices[i].sm_count = d->sm_count;
+			devices[i].total_memory = d->total_memory;
+		}
+		device_ptrs[i] = &devices[i];
+	}
 
 	Normd__HelloReply hello = NORMD__HELLO_REPLY__INIT;
 	hello.status = NORMD__STATUS__OK;
 	hello.server_version = NORMD_VERSION;
 	hello.has_protocol_version = hello.has_backend = hello.has_server_pid = true;
 	hello.protocol_version = NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION;
-	hello.backend = c->srv->backend->kind;
-	hello.n_devices = 1;
-	hello.devices = devices;
+	hello.backend = backend->kind;
+	hello.n_devices = (size_t)backend->device_count;
+	hello.devices = device_ptrs;
 	hello.limits = &limits;
 	hello.server_pid = (uint32_t)getpid();
 
@@ -184,4 +198,53 @@ void reply_go_away(struct client *c, int status, const char *message)
 	env.body_case = NORMD__ENVELOPE__BODY_GO_AWAY;
 	env.go_away = &go_away;
 	reply_send(c, &env);
+}
+
+void reply_variants(struct client *c, uint64_t request_id)
+{
+	struct backend *backend = c->srv->backend;
+	size_t n = 0;
+	struct variant_row *rows = backend->variants ? backend->variants(backend, &n) : NULL;
+	Normd__VariantEntry *entries = nc__calloc(n ? n : 1, sizeof(*entries));
+	Normd__VariantEntry **ptrs = nc__calloc(n ? n : 1, sizeof(*ptrs));
+	if (!entries || !ptrs) {
+		nc__free(rows);
+		nc__free(entries);
+		nc__free(ptrs);
+		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED, "out of memory listing variants");
+		return;
+	}
+	static const Normd__DType wire_dtype[] = {NORMD__DTYPE__F32, NORMD__DTYPE__F16,
+						  NORMD__DTYPE__BF16};
+	static const Normd__Op wire_op[] = {NORMD__OP__LAYERNORM_FWD, NORMD__OP__LAYERNORM_BWD,
+					    NORMD__OP__RMSNORM_FWD, NORMD__OP__RMSNORM_BWD};
+	for (size_t i = 0; i < n; i++) {
+		Normd__VariantEntry *e = &entries[i];
+		normd__variant_entry__init(e);
+		e->has_device = e->has_op = e->has_dtype = e->has_weight_dtype = true;
+		e->has_flags = e->has_cols = e->has_uses = true;
+		e->device = rows[i].device;
+		e->op = wire_op[rows[i].op];
+		e->dtype = wire_dtype[rows[i].dtype];
+		e->weight_dtype = wire_dtype[rows[i].weight_dtype];
+		e->flags = rows[i].flags;
+		e->cols = (uint64_t)rows[i].cols;
+		e->variant = rows[i].variant;
+		e->source = rows[i].source;
+		e->uses = rows[i].uses;
+		ptrs[i] = e;
+	}
+	Normd__VariantsReply variants = NORMD__VARIANTS_REPLY__INIT;
+	variants.n_entries = n;
+	variants.entries = ptrs;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.has_request_id = true;
+	env.request_id = request_id;
+	env.body_case = NORMD__ENVELOPE__BODY_VARIANTS_REPLY;
+	env.variants_reply = &variants;
+	server_count_status(c->srv, NC_OK);
+	reply_send(c, &env);
+	nc__free(rows);
+	nc__free(entries);
+	nc__free(ptrs);
 }

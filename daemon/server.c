@@ -262,6 +262,17 @@ static void server_stop_listening(struct server *srv)
 		unlink(srv->cfg->socket);
 }
 
+/* Stops taking work, tells every client why, and waits for jobs in flight. */
+static void server_begin_drain(struct server *srv, int status, const char *why)
+{
+	srv->draining = true;
+	server_stop_listening(srv);
+	for (struct client *c = srv->clients; c; c = c->next)
+		reply_go_away(c, status, why);
+	uv_timer_start(&srv->drain_timer, server_on_drain_timeout, srv->cfg->drain_timeout_ms, 0);
+	server_drain_check(srv);
+}
+
 static void server_on_signal(uv_signal_t *handle, int signum)
 {
 	struct server *srv = handle->data;
@@ -269,12 +280,18 @@ static void server_on_signal(uv_signal_t *handle, int signum)
 		return;
 	log_info("event=drain signal=%d jobs_in_flight=%u clients=%u", signum, srv->jobs_in_flight,
 		 srv->client_count);
-	srv->draining = true;
-	server_stop_listening(srv);
-	for (struct client *c = srv->clients; c; c = c->next)
-		reply_go_away(c, NC_ESHUTTING_DOWN, "the daemon is shutting down");
-	uv_timer_start(&srv->drain_timer, server_on_drain_timeout, srv->cfg->drain_timeout_ms, 0);
-	server_drain_check(srv);
+	server_begin_drain(srv, NC_ESHUTTING_DOWN, "the daemon is shutting down");
+}
+
+void server_fail(struct server *srv, const char *why)
+{
+	if (srv->exit_code != 0)
+		return;
+	log_error("event=fatal error=\"%s\" action=\"failing all jobs and exiting for a restart\"",
+		  why);
+	srv->exit_code = 1;
+	if (!srv->draining)
+		server_begin_drain(srv, NC_EDEVICE_ERROR, why);
 }
 
 /* ---- start and run -------------------------------------------------------------- */

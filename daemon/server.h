@@ -41,11 +41,14 @@ struct job;
 struct region {
 	uint64_t id;            /* the client's name for it, unique per connection */
 	Normd__RegionKind kind;
-	void *base;             /* where the daemon reaches it */
+	void *base;             /* where the daemon reaches it (host or device address) */
 	uint64_t size;          /* bytes the client may name */
-	size_t mapped_size;     /* bytes mapped (HOST_MEMFD: size) */
-	int device;             /* -1: host memory */
+	size_t mapped_size;     /* bytes this region accounts for */
+	int device;             /* CUDA device ordinal; -1: host memory */
 	unsigned refs;          /* 1 while registered + 1 per job using it */
+	uint8_t handle[64];     /* CUDA_IPC: the handle bytes it was opened from */
+	void *mapping;          /* backend-owned state shared by regions of one handle */
+	void (*release)(struct region *region); /* backend unmapping; NULL for memfd */
 };
 
 /* Open-addressing table of one connection's regions, keyed by id. */
@@ -63,6 +66,11 @@ struct region *region_lookup(const struct region_table *table, uint64_t id);
 /* Maps a host memfd region; takes ownership of `fd` in every case. */
 int region_map_memfd(int fd, uint64_t id, uint64_t size, struct region **out, char *why,
 		     size_t why_len);
+/* A CUDA_IPC region of the table opened from these handle bytes on `device`. */
+struct region *region_find_handle(const struct region_table *table, const uint8_t handle[64],
+				  int device);
+/* A zeroed region with one reference, counted as live; NULL when out of memory. */
+struct region *region_new(uint64_t id, Normd__RegionKind kind, uint64_t size, int device);
 int region_insert(struct region_table *table, struct region *region);
 struct region *region_remove(struct region_table *table, uint64_t id);
 void region_ref(struct region *region);
@@ -125,6 +133,7 @@ void reply_job(struct client *c, const struct job *job);
 void reply_stats(struct client *c, uint64_t request_id);
 void reply_pong(struct client *c, uint64_t request_id, uint64_t nonce);
 void reply_go_away(struct client *c, int status, const char *message);
+void reply_variants(struct client *c, uint64_t request_id);
 
 /* ---- requests (dispatch.c) --------------------------------------------------- */
 
@@ -138,6 +147,7 @@ struct job {
 	struct client *client;       /* counted in client->jobs_in_flight */
 	uint64_t request_id;
 	Normd__Op op;
+	int device;                  /* where its regions live (-1: host) */
 	struct nk_norm_args args;    /* pointers resolved into the regions below */
 	struct region *regions[JOB_MAX_TENSORS]; /* one reference each */
 	unsigned region_count;
@@ -159,16 +169,54 @@ void job_drain_completions(uv_async_t *async);
 
 /* ---- backends ---------------------------------------------------------------- */
 
+/* One entry of a device's kernel-variant cache, as `normctl variants` lists it. */
+struct variant_row {
+	int device;
+	enum nk_op op;
+	enum nk_dtype dtype, weight_dtype;
+	unsigned flags;              /* enum variant_key_flags (variant_cache.h) */
+	int64_t cols;
+	char variant[48];            /* nk_variant_name() */
+	char source[12];             /* "rule", "autotune" or "file" */
+	uint64_t uses;
+};
+
+/* One device as HelloReply reports it. */
+struct backend_device {
+	int index;                   /* CUDA ordinal; -1 for the host */
+	uint8_t uuid[16];
+	char name[128];
+	uint32_t sm_count;
+	uint64_t total_memory;
+};
+
 struct backend {
 	const char *name;            /* "cpu" or "cuda" */
 	Normd__BackendKind kind;
+	const struct backend_device *devices;
+	int device_count;
+	/*
+	 * Maps the memory a RegisterRegion names (limits and ids are already
+	 * checked). Takes ownership of `fd` (-1 if none). `table` is the
+	 * connection's regions, for sharing one mapping between regions of the
+	 * same handle. Returns 0 or NC_E* with a reason in `why`.
+	 */
+	int (*region_map)(struct backend *backend, const struct region_table *table,
+			  const Normd__RegisterRegion *msg, int fd, struct region **out, char *why,
+			  size_t why_len);
 	/* Queues the job; the backend later calls job_post_completion(). */
 	int (*submit)(struct backend *backend, struct job *job);
+	/* NULL while healthy; once a device is lost, why (then the daemon exits). */
+	const char *(*fatal_error)(struct backend *backend);
+	/* The variant cache as rows (nc__malloc'ed, count in *n); may be NULL. */
+	struct variant_row *(*variants)(struct backend *backend, size_t *n);
 	/* Stops the workers after the queued jobs are done, and frees. */
 	void (*destroy)(struct backend *backend);
 };
 
 int backend_cpu_create(const struct config *cfg, struct backend **out);
+/* Opens the CUDA devices `cfg->device` names ("0", "0,1", "all"). */
+int backend_cuda_create(const struct config *cfg, struct backend **out);
 
 /* ---- the server (server.c) --------------------------------------------------- */
 
@@ -194,6 +242,9 @@ struct server {
 	uv_mutex_t completion_lock;
 	struct job *completed_head, *completed_tail;
 	uv_timer_t drain_timer;
+	uv_timer_t notify_status_timer;   /* STATUS= for systemd every few seconds (notify.c) */
+	uv_timer_t notify_watchdog_timer; /* WATCHDOG=1 when the unit sets WatchdogSec= */
+	bool notify_timers_ready;    /* the two timers above are initialised */
 	struct client *clients;      /* all connections, closing ones included */
 	unsigned client_count;       /* open (not closing) connections */
 	unsigned jobs_in_flight;     /* across all clients */
@@ -213,6 +264,8 @@ extern struct server *server_instance;
 int server_run(const struct config *cfg, struct backend *backend);
 /* Counts a reply status in the stats. */
 void server_count_status(struct server *srv, int status);
+/* A device is lost: GoAway(DEVICE_ERROR) to all, drain, exit non-zero. */
+void server_fail(struct server *srv, const char *why);
 /* Re-checks whether a drain has finished. */
 void server_drain_check(struct server *srv);
 uint64_t server_now_ns(void);

@@ -4,7 +4,8 @@
  * With g = dy * gamma and xh = x_hat, one pass over a row computes
  *   LN:  dx = rstd * (g - mean(g) - xh * mean(g * xh))
  *   RMS: dx = rstd * (g - xh * mean(g * xh))
- * from x (or, memory-efficient, y: xh = (y - beta) / clamp(gamma)) and dy,
+ * from x (or, memory-efficient, y: xh = (y - beta) * rg with rg = 1 / clamp(gamma)
+ * computed once per job by launch_reciprocal_gamma) and dy,
  * both read from device memory once into registers (the next row's loads are
  * issued before this row's reduction). Each thread also sums dy * xh and dy
  * over the rows it sees into fp32 registers; at the end every row group
@@ -80,11 +81,17 @@ __device__ __forceinline__ void vector_terms(const Params &p, uint4 xr, uint4 dy
 	if (present && (p.f & F_GAMMA))
 		load_weights<VEC>(static_cast<const W *>(p.gamma) + col, gm);
 	if (p.f & F_MEMEFF) {
-		if (present && (p.f & F_BETA))
-			load_weights<VEC>(static_cast<const W *>(p.beta) + col, bt);
+		float rg[VEC];
 #pragma unroll
 		for (int i = 0; i < VEC; i++)
-			xh[i] = divide(x[i] - bt[i], clamp_magnitude(gm[i], p.eps));
+			rg[i] = 0.0f;
+		if (present && (p.f & F_BETA))
+			load_weights<VEC>(static_cast<const W *>(p.beta) + col, bt);
+		if (present)
+			load_weights<VEC>(p.rg + col, rg);
+#pragma unroll
+		for (int i = 0; i < VEC; i++)
+			xh[i] = (x[i] - bt[i]) * rg[i];
 	} else {
 #pragma unroll
 		for (int i = 0; i < VEC; i++)
@@ -220,10 +227,11 @@ int run(const Params &p, const Shape &s, cudaStream_t stream)
 
 } /* namespace */
 
-int launch_bwd_tiled(const struct nk_norm_args *a, const Shape &s, float *part,
+int launch_bwd_tiled(const struct nk_norm_args *a, const Shape &s, float *part, const float *rg,
 		     cudaStream_t stream)
 {
 	Params p = params_of(a);
+	p.rg = rg;
 	p.G = s.G;
 	p.K = s.K;
 	p.R = s.R;

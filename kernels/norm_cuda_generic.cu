@@ -193,6 +193,16 @@ __global__ void __launch_bounds__(256) reduce_partials(const float *part, int64_
 	out[col] = from_f<W>(sum);
 }
 
+/* rg[c] = 1 / clamp(gamma[c]) (gamma absent: ones), IEEE division. */
+template <typename W>
+__global__ void __launch_bounds__(256) reciprocal_gamma(const W *gamma, int64_t cols, float eps,
+							float *rg)
+{
+	const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+	if (c < cols)
+		rg[c] = 1.0f / clamp_magnitude(gamma ? to_f(gamma[c]) : 1.0f, eps);
+}
+
 /* Counts |gamma| < eps (gamma absent counts as ones) into *out; one block. */
 template <typename W>
 __global__ void __launch_bounds__(256) count_clamped(const W *gamma, int64_t cols, float eps,
@@ -278,6 +288,26 @@ int launch_bwd_generic(const struct nk_norm_args *a, const struct nk_device_info
 		return launch2d(dgamma_generic<T, W>, grid, dim3(32, 8), stream, p,
 				"generic dgamma launch");
 	});
+}
+
+int launch_reciprocal_gamma(const struct nk_norm_args *a, float *rg, cudaStream_t stream)
+{
+	const unsigned blocks = (unsigned)((a->cols + 255) / 256);
+	switch (a->weight_dtype) {
+	case NK_F32:
+		reciprocal_gamma<<<blocks, 256, 0, stream>>>(static_cast<const float *>(a->gamma),
+							     a->cols, a->eps, rg);
+		break;
+	case NK_F16:
+		reciprocal_gamma<<<blocks, 256, 0, stream>>>(static_cast<const __half *>(a->gamma),
+							     a->cols, a->eps, rg);
+		break;
+	case NK_BF16:
+		reciprocal_gamma<<<blocks, 256, 0, stream>>>(
+			static_cast<const __nv_bfloat16 *>(a->gamma), a->cols, a->eps, rg);
+		break;
+	}
+	return check_launch("reciprocal_gamma launch");
 }
 
 int launch_finish(const struct nk_norm_args *a, const float *part, int64_t part_rows,

@@ -51,6 +51,7 @@ struct Params {
 	const void *dy;
 	void *dx;
 	float *part;       /* [2][part_rows][cols] dgamma, then dbeta partials */
+	const float *rg;   /* memory-efficient: [cols] 1 / clamp(gamma) */
 	int64_t part_rows; /* partial rows of each weight gradient */
 	int64_t rows;
 	int64_t cols;
@@ -95,12 +96,14 @@ int check_launch(const char *where);
 /* Launchers (norm_cuda_fwd.cu, norm_cuda_bwd.cu, norm_cuda_generic.cu). */
 int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev,
 		     const Shape &s, cudaStream_t stream);
-int launch_bwd_tiled(const struct nk_norm_args *a, const Shape &s, float *part,
+int launch_bwd_tiled(const struct nk_norm_args *a, const Shape &s, float *part, const float *rg,
 		     cudaStream_t stream);
 int launch_fwd_generic(const struct nk_norm_args *a, const struct nk_device_info *dev,
 		       const Shape &s, cudaStream_t stream);
 int launch_bwd_generic(const struct nk_norm_args *a, const struct nk_device_info *dev,
 		       const Shape &s, float *part, cudaStream_t stream);
+/* Memory-efficient backward: rg[c] = 1 / clamp(gamma[c]), before the kernel. */
+int launch_reciprocal_gamma(const struct nk_norm_args *a, float *rg, cudaStream_t stream);
 /* Sums partials into dgamma/dbeta and counts clamped gamma entries. */
 int launch_finish(const struct nk_norm_args *a, const float *part, int64_t part_rows,
 		  uint32_t *clamped_cols, cudaStream_t stream);
@@ -250,33 +253,57 @@ struct WelfordOp {
 };
 
 /*
+ * Merges v across aligned groups of `width` lanes (a power of two <= 32)
+ * with an xor butterfly. Partners always merge the lower lane's part
+ * first, so every lane of a group ends with the same bits.
+ */
+template <class Op> __device__ __forceinline__ void butterfly(float *v, int width)
+{
+	constexpr int N = Op::n;
+	for (int off = 1; off < width; off <<= 1) {
+		float o[N];
+#pragma unroll
+		for (int i = 0; i < N; i++)
+			o[i] = __shfl_xor_sync(0xffffffffu, v[i], off);
+		if (threadIdx.x & off) {
+			Op::merge(o, v);
+#pragma unroll
+			for (int i = 0; i < N; i++)
+				v[i] = o[i];
+		} else {
+			Op::merge(v, o);
+		}
+	}
+}
+
+/* The smallest power of two >= n (n <= 32). */
+__device__ __forceinline__ int lanes_for(int n)
+{
+	return n <= 1 ? 1 : 1 << (32 - __clz(n - 1));
+}
+
+/*
  * The cluster level of group_reduce: every block publishes its value, and
- * every thread merges the K values in rank order. sm_90 only; the launchers
- * never ask for K > 1 elsewhere.
+ * lane r of every warp fetches block r's, then a butterfly merges them in
+ * rank order. sm_90 only; the launchers never ask for K > 1 elsewhere.
  */
 template <class Op>
 __device__ __forceinline__ void cluster_reduce(float *v, int K, RedSmem &sm, int parity)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 	cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+	const int lane = threadIdx.x & 31;
 	if (threadIdx.x == 0) {
 #pragma unroll
 		for (int i = 0; i < Op::n; i++)
 			sm.cta[parity][i] = v[i];
 	}
 	cl.sync();
-	const float *r0 = cl.map_shared_rank(&sm.cta[parity][0], 0);
+	const float *r = cl.map_shared_rank(&sm.cta[parity][0], lane < K ? lane : 0);
 #pragma unroll
 	for (int i = 0; i < Op::n; i++)
-		v[i] = r0[i];
-	for (int r = 1; r < K; r++) {
-		float o[Op::n];
-		const float *rr = cl.map_shared_rank(&sm.cta[parity][0], r);
-#pragma unroll
-		for (int i = 0; i < Op::n; i++)
-			o[i] = rr[i];
-		Op::merge(v, o);
-	}
+		v[i] = lane < K ? r[i] : 0.0f;
+	butterfly<Op>(v, K);
 #else
 	(void)v;
 	(void)K;
@@ -305,43 +332,28 @@ __device__ __forceinline__ int cluster_rank(int K)
 
 /*
  * Reduces v over the G threads of a row group (and the K blocks of a
- * cluster). Every thread of the group ends with the same bits: partners
- * always merge lower-ranked part first, so the order is fixed. `parity`
- * alternates per row so that one barrier per level suffices.
+ * cluster); every thread of the group ends with the same bits, merged in a
+ * fixed order. Identity elements are zeros (a zero count for WelfordOp).
+ * `parity` alternates per reduction so that one barrier per level suffices.
  */
 template <class Op>
 __device__ __forceinline__ void group_reduce(float *v, int G, int K, RedSmem &sm, int parity)
 {
 	constexpr int N = Op::n;
-	const int width = G < 32 ? G : 32;
-	for (int off = 1; off < width; off <<= 1) {
-		float o[N];
-#pragma unroll
-		for (int i = 0; i < N; i++)
-			o[i] = __shfl_xor_sync(0xffffffffu, v[i], off);
-		if (threadIdx.x & off) {
-			Op::merge(o, v);
-#pragma unroll
-			for (int i = 0; i < N; i++)
-				v[i] = o[i];
-		} else {
-			Op::merge(v, o);
-		}
-	}
+	butterfly<Op>(v, G < 32 ? G : 32);
 	if (G > 32) {
-		const int warp = threadIdx.x >> 5;
-		const int first = (threadIdx.x / G) * (G >> 5);
-		if ((threadIdx.x & 31) == 0) {
+		const int lane = threadIdx.x & 31, nw = G >> 5;
+		const int first = (threadIdx.x / G) * nw;
+		if (lane == 0) {
 #pragma unroll
 			for (int i = 0; i < N; i++)
-				sm.warp[parity][warp][i] = v[i];
+				sm.warp[parity][threadIdx.x >> 5][i] = v[i];
 		}
 		__syncthreads();
 #pragma unroll
 		for (int i = 0; i < N; i++)
-			v[i] = sm.warp[parity][first][i];
-		for (int k = 1; k < (G >> 5); k++)
-			Op::merge(v, sm.warp[parity][first + k]);
+			v[i] = lane < nw ? sm.warp[parity][first + lane][i] : 0.0f;
+		butterfly<Op>(v, lanes_for(nw));
 	}
 	if (K > 1)
 		cluster_reduce<Op>(v, K, sm, parity);

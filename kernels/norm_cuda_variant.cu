@@ -155,10 +155,11 @@ static int bwd_units_cap(int threads, int elems, int K)
 
 /*
  * A tiled variant holding up to `nv` vectors a thread, with blocks of
- * `warp_threads` for rows that fit a warp. False if none fits the job.
+ * `warp_threads` for rows that fit a warp and of at most `block_max` threads
+ * (then clusters) for wider rows. False if none fits the job.
  */
 static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int nv,
-			  int warp_threads, struct nk_variant *v)
+			  int warp_threads, int block_max, struct nk_variant *v)
 {
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
@@ -171,7 +172,7 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 		nv = pow2_ceil((nvec + G - 1) / G);
 		R = warp_threads / G;
 	} else {
-		while (K <= 8 && nvec > (int64_t)MAX_THREADS * nv * K)
+		while (K <= 8 && nvec > (int64_t)block_max * nv * K)
 			K *= 2;
 		if (K > 8 || (K > 1 && dev->cc_major < 9))
 			return false;
@@ -241,15 +242,27 @@ static struct nk_variant resolve(const struct nk_norm_args *a, const struct nk_d
 	return out;
 }
 
-static size_t workspace_of(const struct nk_norm_args *a, const struct nk_variant *v)
+static size_t round256(size_t n)
+{
+	return (n + 255) / 256 * 256;
+}
+
+/* Workspace: the dgamma/dbeta partials, then (memory-efficient) rg. */
+static size_t partials_bytes(const struct nk_norm_args *a, const struct nk_variant *v)
 {
 	if (!is_bwd(a) || (!a->dgamma && !a->dbeta))
 		return 0;
 	Shape s = shape_of(v);
 	size_t bytes = (size_t)partial_rows(a, s) * (size_t)a->cols * sizeof(float);
-	if (a->dbeta)
-		bytes *= 2;
-	return (bytes + 255) / 256 * 256;
+	return round256(a->dbeta ? 2 * bytes : bytes);
+}
+
+static size_t workspace_of(const struct nk_norm_args *a, const struct nk_variant *v)
+{
+	size_t rg = 0;
+	if (is_bwd(a) && (a->flags & NK_MEMORY_EFFICIENT))
+		rg = round256((size_t)a->cols * sizeof(float));
+	return partials_bytes(a, v) + rg;
 }
 
 /* Pointers must at least be aligned to their element size. */
@@ -276,10 +289,19 @@ static int dispatch(const struct nk_norm_args *a, const struct nk_device_info *d
 			return launch_fwd_generic(a, dev, s, stream);
 		return launch_fwd_tiled(a, dev, s, stream);
 	}
-	if (s.family == NK_FAMILY_GENERIC)
+	if (s.family == NK_FAMILY_GENERIC) {
 		rc = launch_bwd_generic(a, dev, s, part, stream);
-	else
-		rc = launch_bwd_tiled(a, s, part, stream);
+	} else {
+		float *rg = NULL;
+		if (a->flags & NK_MEMORY_EFFICIENT) {
+			rg = reinterpret_cast<float *>(static_cast<char *>(exec->workspace) +
+						       partials_bytes(a, v));
+			rc = launch_reciprocal_gamma(a, rg, stream);
+			if (rc != NK_OK)
+				return rc;
+		}
+		rc = launch_bwd_tiled(a, s, part, rg, stream);
+	}
 	if (rc != NK_OK)
 		return rc;
 	if (!a->dgamma && !a->dbeta && !exec->clamped_cols)
@@ -299,7 +321,7 @@ int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_dev
 	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
 		return NK_EINVAL;
 	int nv = max_nv(args);
-	if (!tiled_variant(args, dev, nv, 256, out))
+	if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, out))
 		generic_variant(args, out);
 	return NK_OK;
 }
@@ -315,8 +337,9 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args,
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
 	for (int nv = max_nv(args); nv >= 1 && n < max; nv /= 2) {
-		for (int wt = 128; wt <= 512 && n < max; wt *= 2) {
-			if (!tiled_variant(args, dev, nv, wt, &v))
+		for (int k = 0; k < 6 && n < max; k++) {
+			int wt = 128 << (k % 3), bm = k < 3 ? MAX_THREADS : 256;
+			if (!tiled_variant(args, dev, nv, wt, bm, &v))
 				continue;
 			bool seen = false;
 			for (int i = 0; i < n; i++)

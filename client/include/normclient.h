@@ -142,6 +142,19 @@ NC_API int nc_region_register_fd(nc_conn *conn, int fd, size_t size, nc_region *
  */
 NC_API int nc_region_free(nc_region *region);
 
+/*
+ * Registers the cudaMalloc allocation that contains device pointer `ptr`
+ * (CUDA backend): the library finds the allocation's base and size, exports
+ * a CUDA IPC handle for it and registers it once. Tensors are offsets from
+ * the base (nc_tensor_at with device pointers works). Supported: memory from
+ * cudaMalloc (and allocators built on it, such as PyTorch's caching
+ * allocator without expandable segments). Refused with NC_EUNSUPPORTED and a
+ * message: cudaMallocAsync/memory-pool memory, managed memory, and
+ * cuMemCreate (VMM) memory, which CUDA IPC cannot export. The daemon must
+ * not run in the calling process. Free with nc_region_free().
+ */
+NC_API int nc_region_register_device(nc_conn *conn, const void *ptr, nc_region **out);
+
 NC_API void *nc_region_data(const nc_region *region); /* local mapping */
 NC_API size_t nc_region_size(const nc_region *region);
 NC_API uint64_t nc_region_id(const nc_region *region);
@@ -199,6 +212,16 @@ struct nc_job {
 /* A tensor at host pointer `ptr` inside `region`'s local mapping. */
 NC_API struct nc_tensor nc_tensor_at(const nc_region *region, const void *ptr);
 
+/*
+ * The tensor for device pointer `ptr`, registering its allocation on first
+ * use; later calls for the same allocation reuse that registration (cached
+ * per connection by the driver's allocation id, so memory freed and
+ * allocated again at the same address is registered anew). Such regions
+ * belong to the connection and are released by nc_close(). NULL gives the
+ * absent tensor. Any thread.
+ */
+NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *out);
+
 struct nc_job_result {
 	int status;            /* NC_OK or a negative NC_E* code */
 	uint32_t clamped_cols; /* memory-efficient backward: gamma entries clamped */
@@ -229,6 +252,15 @@ NC_API int nc_job_wait(nc_conn *conn, uint64_t request_id, int timeout_ms,
 /* nc_job_submit() then nc_job_wait(). */
 NC_API int nc_job_run(nc_conn *conn, const struct nc_job *job, int timeout_ms,
 		      struct nc_job_result *result);
+
+/*
+ * Synchronous completion mode for device memory: orders the job after the
+ * work already queued on `stream` (a cudaStream_t; NULL is the legacy default
+ * stream) by synchronizing it, runs the job, and returns when the daemon
+ * reports it done, so work queued on `stream` afterwards sees its outputs.
+ */
+NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *stream,
+				int timeout_ms, struct nc_job_result *result);
 
 /* ---- inspection ------------------------------------------------------------ */
 

@@ -13,6 +13,20 @@
 #include "normclient.h"
 #include "normd.pb-c.h"
 
+#define NC__REGION_TIMEOUT_MS 30000
+
+/* A registered region: host memory mapped here, or a device allocation. */
+struct nc_region {
+	nc_conn *conn;
+	uint64_t id;
+	void *data;                 /* host mapping, or the allocation's device base */
+	size_t size;
+	int device;                 /* -1: host memfd */
+	unsigned long long buffer_id; /* device: the driver's allocation id */
+	bool lazy;                  /* registered by nc_tensor_device(), owned by conn */
+	struct nc_region *next;     /* conn's list of lazily registered regions */
+};
+
 /* A reply that arrived for a request no thread has claimed yet. */
 struct nc__reply {
 	struct nc__reply *next;
@@ -35,6 +49,7 @@ struct nc_conn {
 	uint8_t *in_buf;             /* only the active reader touches these */
 	size_t in_len, in_cap;
 	struct nc_server_info info;
+	struct nc_region *lazy_regions; /* device allocations registered on first use */
 };
 
 /* Records the calling thread's error message and returns `status`. */
@@ -58,5 +73,10 @@ int nc__call(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms,
 
 /* Sends `env` and waits for a Result; returns its status (message recorded). */
 int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms);
+
+/* Drops a device region from its connection's lazy cache (lock taken inside). */
+void nc__device_forget(nc_region *region);
+/* Frees the lazily registered regions' local state (at nc_close). */
+void nc__device_release_all(nc_conn *conn);
 
 #endif /* NORMCLIENT_INTERNAL_H */

@@ -14,14 +14,6 @@
 #include "client/lib/internal.h"
 #include "proto/frame.h"
 
-#define NC__REGION_TIMEOUT_MS 30000
-
-struct nc_region {
-	nc_conn *conn;
-	uint64_t id;
-	void *data;
-	size_t size;
-};
 
 static int region_register(nc_conn *conn, int fd, size_t size, uint64_t id)
 {
@@ -53,6 +45,7 @@ static int region_create(nc_conn *conn, int fd, size_t size, nc_region **out)
 	pthread_mutex_unlock(&conn->lock);
 	region->conn = conn;
 	region->size = size;
+	region->device = -1;
 	int rc = region_register(conn, fd, size, region->id);
 	if (rc) {
 		munmap(region->data, size);
@@ -96,7 +89,10 @@ NC_API int nc_region_free(nc_region *region)
 	env.body_case = NORMD__ENVELOPE__BODY_UNREGISTER_REGION;
 	env.unregister_region = &unreg;
 	int rc = nc__call_result(region->conn, &env, -1, NC__REGION_TIMEOUT_MS);
-	munmap(region->data, region->size);
+	if (region->device < 0)
+		munmap(region->data, region->size);
+	else
+		nc__device_forget(region);
 	nc__free(region);
 	return rc;
 }

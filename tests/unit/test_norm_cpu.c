@@ -1503,11 +1503,13 @@ static void test_optional_tensors(void **state)
 	free(nan_stats);
 }
 
-#if defined(__SANITIZE_ADDRESS__)
-#define UNDER_ASAN 1
+/* AddressSanitizer and ThreadSanitizer reserve more address space than any
+ * limit the out-of-memory test could set. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define UNDER_SANITIZER 1
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define UNDER_ASAN 1
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define UNDER_SANITIZER 1
 #endif
 #endif
 
@@ -1547,8 +1549,8 @@ static void test_out_of_memory(void **state)
 	pid_t pid;
 
 	(void)state;
-#ifdef UNDER_ASAN
-	skip(); /* AddressSanitizer reserves more address space than any limit */
+#ifdef UNDER_SANITIZER
+	skip();
 #endif
 	pid = fork();
 	assert_true(pid >= 0);

@@ -1,0 +1,175 @@
+/*
+ * Device memory (CUDA backend): registering a cudaMalloc allocation through
+ * a CUDA IPC handle, the per-connection cache that registers allocations on
+ * first use, and running a job in order with a caller's stream.
+ *
+ * The allocation is found from any pointer inside it with the driver's
+ * pointer attributes (reached through the runtime, never by linking
+ * libcuda); the handle names the allocation's base and tensors are offsets
+ * from it. The cache is keyed by the driver's buffer id, which is never
+ * reused, so a buffer freed and allocated again at the same address is
+ * registered again (its handle differs).
+ */
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "client/lib/internal.h"
+#include "kernels/cuda_driver.h"
+#include "proto/frame.h"
+
+static int device_region_register(nc_conn *conn, const struct nk_cuda_pointer_info *info,
+				  nc_region **out)
+{
+	if (conn->info.server_pid == (uint32_t)getpid())
+		return nc__fail(NC_EINVALID_ARGUMENT,
+				"the daemon runs in this process; CUDA IPC cannot import from it");
+	cudaIpcMemHandle_t handle;
+	cudaError_t err = cudaIpcGetMemHandle(&handle, (void *)(uintptr_t)info->base);
+	if (err != cudaSuccess) {
+		cudaGetLastError();
+		return nc__fail(NC_EUNSUPPORTED, "cudaIpcGetMemHandle: %s", cudaGetErrorString(err));
+	}
+	nc_region *region = nc__calloc(1, sizeof(*region));
+	if (!region)
+		return nc__fail(NC_ENOMEM, "out of memory for a region");
+	pthread_mutex_lock(&conn->lock);
+	region->id = ++conn->next_region_id;
+	pthread_mutex_unlock(&conn->lock);
+	region->conn = conn;
+	region->data = (void *)(uintptr_t)info->base;
+	region->size = (size_t)info->size;
+	region->device = info->device;
+	region->buffer_id = info->buffer_id;
+
+	Normd__RegisterRegion reg = NORMD__REGISTER_REGION__INIT;
+	reg.region_id = region->id;
+	reg.kind = NORMD__REGION_KIND__CUDA_IPC;
+	reg.has_device = reg.has_handle = true;
+	reg.device = info->device;
+	reg.handle.data = (uint8_t *)&handle;
+	reg.handle.len = sizeof(handle);
+	reg.size = info->size;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.body_case = NORMD__ENVELOPE__BODY_REGISTER_REGION;
+	env.register_region = &reg;
+	int rc = nc__call_result(conn, &env, -1, NC__REGION_TIMEOUT_MS);
+	if (rc) {
+		nc__free(region);
+		return rc;
+	}
+	*out = region;
+	return 0;
+}
+
+/* Looks the pointer's allocation up and refuses what cannot be exported. */
+static int device_pointer_info(const void *ptr, struct nk_cuda_pointer_info *info)
+{
+	const char *why = NULL;
+	if (nk_cuda_pointer_info(ptr, info, &why) != 0)
+		return nc__fail(NC_EINVALID_ARGUMENT, "pointer %p: %s", ptr, why);
+	if (info->managed)
+		return nc__fail(NC_EUNSUPPORTED,
+				"pointer %p is managed memory (cudaMallocManaged), which CUDA IPC "
+				"cannot export; use cudaMalloc",
+				ptr);
+	if (info->from_pool)
+		return nc__fail(NC_EUNSUPPORTED,
+				"pointer %p comes from a memory pool (cudaMallocAsync), which CUDA "
+				"IPC cannot export; use cudaMalloc",
+				ptr);
+	if (!info->ipc_capable)
+		return nc__fail(NC_EUNSUPPORTED,
+				"pointer %p is not exportable with cudaIpcGetMemHandle (VMM/cuMemCreate "
+				"memory?); use cudaMalloc",
+				ptr);
+	return 0;
+}
+
+NC_API int nc_region_register_device(nc_conn *conn, const void *ptr, nc_region **out)
+{
+	if (!conn || !ptr || !out)
+		return nc__fail(NC_EINVALID_ARGUMENT, "conn, ptr and out must not be NULL");
+	struct nk_cuda_pointer_info info;
+	int rc = device_pointer_info(ptr, &info);
+	return rc ? rc : device_region_register(conn, &info, out);
+}
+
+NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *out)
+{
+	if (!conn || !out)
+		return nc__fail(NC_EINVALID_ARGUMENT, "conn and out must not be NULL");
+	if (!ptr) {
+		out->region = out->offset = 0;
+		return 0;
+	}
+	struct nk_cuda_pointer_info info;
+	int rc = device_pointer_info(ptr, &info);
+	if (rc)
+		return rc;
+	nc_region *found = NULL;
+	pthread_mutex_lock(&conn->lock);
+	for (nc_region *r = conn->lazy_regions; r; r = r->next) {
+		if (r->buffer_id == info.buffer_id) {
+			found = r;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&conn->lock);
+	if (!found) {
+		rc = device_region_register(conn, &info, &found);
+		if (rc)
+			return rc;
+		found->lazy = true;
+		pthread_mutex_lock(&conn->lock);
+		found->next = conn->lazy_regions;
+		conn->lazy_regions = found;
+		pthread_mutex_unlock(&conn->lock);
+	}
+	out->region = found->id;
+	out->offset = (uint64_t)((uintptr_t)ptr - info.base);
+	return 0;
+}
+
+void nc__device_forget(nc_region *region)
+{
+	if (!region->lazy)
+		return;
+	nc_conn *conn = region->conn;
+	pthread_mutex_lock(&conn->lock);
+	for (nc_region **p = &conn->lazy_regions; *p; p = &(*p)->next) {
+		if (*p == region) {
+			*p = region->next;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&conn->lock);
+}
+
+void nc__device_release_all(nc_conn *conn)
+{
+	while (conn->lazy_regions) {
+		nc_region *r = conn->lazy_regions;
+		conn->lazy_regions = r->next;
+		nc__free(r);
+	}
+}
+
+NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *stream,
+				int timeout_ms, struct nc_job_result *result)
+{
+	/* The daemon's stream cannot wait on ours: finish our queued work first. */
+	cudaError_t err = cudaStreamSynchronize((cudaStream_t)stream);
+	if (err != cudaSuccess) {
+		int rc = nc__fail(NC_EINVALID_ARGUMENT, "cudaStreamSynchronize: %s",
+				  cudaGetErrorString(err));
+		if (result) {
+			memset(result, 0, sizeof(*result));
+			result->status = rc;
+			snprintf(result->message, sizeof(result->message), "%s", nc_last_error());
+		}
+		return rc;
+	}
+	return nc_job_run(conn, job, timeout_ms, result);
+}

@@ -1,0 +1,623 @@
+/*
+ * The CUDA backend: jobs on clients' own device memory, opened from CUDA IPC
+ * handles, run by the kernels in kernels/norm_cuda*.cu.
+ *
+ * Per device: the primary context, a pool of worker threads each owning one
+ * non-blocking stream, its scratch workspace and a pinned word for the
+ * clamped-gamma count, one FIFO of jobs, and the device's variant cache. A
+ * worker takes a job, picks its variant (cache, else rules or autotuning),
+ * launches it, waits for its stream and hands the job back to the loop.
+ *
+ * Memory: each CUDA_IPC handle is opened once per connection (regions naming
+ * the same handle bytes share one mapping), with lazy peer access, after
+ * checking the claimed size against the real allocation; the mapping is
+ * closed when the last region and job using it are gone.
+ *
+ * A failure while a kernel ran (illegal address, device lost) is sticky: it
+ * poisons the context for everyone. The backend then fails every job with
+ * DEVICE_ERROR and reports the cause through fatal_error(); the server sends
+ * GoAway and exits non-zero so that systemd restarts it.
+ */
+#include "daemon/server.h"
+
+#include <cuda_runtime_api.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "daemon/variant_cache.h"
+#include "kernels/cuda_driver.h"
+#include "proto/frame.h"
+
+#define CUDA_WORKERS_PER_DEVICE 4
+#define CUDA_MAX_DEVICES 64
+#define AUTOTUNE_CANDIDATES 16
+#define AUTOTUNE_REPS 5
+
+struct cuda_device;
+
+struct cuda_worker {
+	struct cuda_device *dev;
+	uv_thread_t thread;
+	cudaStream_t stream;
+	cudaEvent_t ev_start, ev_stop;
+	void *workspace;           /* grows to the largest job's need */
+	size_t workspace_bytes;
+	uint32_t *clamped;         /* pinned host word the kernels write */
+};
+
+struct cuda_device {
+	struct backend_cuda *backend;
+	int ordinal;
+	struct nk_device_info info;
+	struct variant_cache *cache;
+	bool ready;                /* lock and wake are initialised */
+	uv_mutex_t lock;           /* the queue below */
+	uv_cond_t wake;
+	struct job *head, *tail;
+	bool stopping;
+	struct cuda_worker workers[CUDA_WORKERS_PER_DEVICE];
+	int worker_count;
+};
+
+struct backend_cuda {
+	struct backend base;
+	struct backend_device *described; /* for HelloReply */
+	struct cuda_device *devices;
+	int device_count;
+	bool autotune;
+	atomic_bool fatal;
+	char fatal_message[96];           /* written once, by whoever set `fatal` */
+};
+
+/* One opened IPC handle, shared by a connection's regions that name it. */
+struct ipc_mapping {
+	void *ptr;
+	int device;
+	unsigned refs;
+};
+
+/* ---- fatal errors ------------------------------------------------------------------ */
+
+static void cuda_set_fatal(struct backend_cuda *cuda, int device, cudaError_t err)
+{
+	bool expected = false;
+	if (!atomic_compare_exchange_strong(&cuda->fatal, &expected, true))
+		return;
+	snprintf(cuda->fatal_message, sizeof(cuda->fatal_message), "device %d: %s (%s)", device,
+		 cudaGetErrorName(err), cudaGetErrorString(err));
+	log_error("event=device_lost device=%d error=\"%s\"", device, cudaGetErrorString(err));
+}
+
+static const char *cuda_fatal_error(struct backend *backend)
+{
+	struct backend_cuda *cuda = (struct backend_cuda *)backend;
+	return atomic_load(&cuda->fatal) ? cuda->fatal_message : NULL;
+}
+
+/* ---- regions ------------------------------------------------------------------------ */
+
+static struct cuda_device *cuda_find_device(struct backend_cuda *cuda, int ordinal)
+{
+	for (int i = 0; i < cuda->device_count; i++) {
+		if (cuda->devices[i].ordinal == ordinal)
+			return &cuda->devices[i];
+	}
+	return NULL;
+}
+
+static void cuda_region_release(struct region *region)
+{
+	struct ipc_mapping *m = region->mapping;
+	if (!m || --m->refs > 0)
+		return;
+	cudaSetDevice(m->device);
+	cudaError_t err = cudaIpcCloseMemHandle(m->ptr);
+	if (err != cudaSuccess)
+		log_warn("event=ipc_close_failed device=%d error=\"%s\"", m->device,
+			 cudaGetErrorString(err));
+	nc__free(m);
+}
+
+/* Opens a handle on `device`, checking the allocation holds `size` bytes. */
+static int cuda_open_handle(int device, const uint8_t handle[64], uint64_t size,
+			    struct ipc_mapping **out, char *why, size_t why_len)
+{
+	cudaIpcMemHandle_t h;
+	memcpy(&h, handle, sizeof(h));
+	void *ptr = NULL;
+	cudaSetDevice(device);
+	cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+	if (err != cudaSuccess) {
+		cudaGetLastError(); /* not sticky: clear it */
+		snprintf(why, why_len, "cannot open the CUDA IPC handle on device %d: %s", device,
+			 cudaGetErrorString(err));
+		return NC_EINVALID_ARGUMENT;
+	}
+	uint64_t real = 0;
+	const char *reason = NULL;
+	if (nk_cuda_allocation_size(ptr, &real, &reason) != 0 || real < size) {
+		cudaIpcCloseMemHandle(ptr);
+		if (reason)
+			snprintf(why, why_len, "cannot size the allocation: %s", reason);
+		else
+			snprintf(why, why_len, "size %llu is larger than the allocation (%llu bytes)",
+				 (unsigned long long)size, (unsigned long long)real);
+		return NC_EOUT_OF_RANGE;
+	}
+	struct ipc_mapping *m = nc__calloc(1, sizeof(*m));
+	if (!m) {
+		cudaIpcCloseMemHandle(ptr);
+		snprintf(why, why_len, "out of memory");
+		return NC_ENOMEM;
+	}
+	m->ptr = ptr;
+	m->device = device;
+	m->refs = 0;
+	*out = m;
+	return 0;
+}
+
+static int cuda_region_map(struct backend *backend, const struct region_table *table,
+			   const Normd__RegisterRegion *msg, int fd, struct region **out,
+			   char *why, size_t why_len)
+{
+	struct backend_cuda *cuda = (struct backend_cuda *)backend;
+	if (fd >= 0)
+		close(fd);
+	if (msg->kind != NORMD__REGION_KIND__CUDA_IPC) {
+		snprintf(why, why_len, "region kind %d is not supported by the cuda backend "
+			 "(use CUDA_IPC)", (int)msg->kind);
+		return NC_EUNSUPPORTED;
+	}
+	if (!msg->has_handle || msg->handle.len != 64) {
+		snprintf(why, why_len, "handle is %zu bytes; a CUDA IPC handle has 64",
+			 msg->has_handle ? msg->handle.len : (size_t)0);
+		return NC_EINVALID_ARGUMENT;
+	}
+	int device = msg->has_device ? msg->device : 0;
+	if (!cuda_find_device(cuda, device)) {
+		snprintf(why, why_len, "device %d is not served by this daemon", device);
+		return NC_ENOT_FOUND;
+	}
+	struct region *twin = region_find_handle(table, msg->handle.data, device);
+	struct ipc_mapping *m = twin ? twin->mapping : NULL;
+	int rc = m ? 0 : cuda_open_handle(device, msg->handle.data, msg->size, &m, why, why_len);
+	if (rc)
+		return rc;
+	if (twin && msg->size > twin->size) {
+		/* Sharing a mapping: its size was checked for the first region only. */
+		uint64_t real = 0;
+		const char *reason = NULL;
+		if (nk_cuda_allocation_size(m->ptr, &real, &reason) != 0 || real < msg->size) {
+			snprintf(why, why_len, "size %llu is larger than the allocation",
+				 (unsigned long long)msg->size);
+			return NC_EOUT_OF_RANGE;
+		}
+	}
+	struct region *region = region_new(msg->region_id, NORMD__REGION_KIND__CUDA_IPC,
+					   msg->size, device);
+	if (!region) {
+		if (m->refs == 0) {
+			cudaIpcCloseMemHandle(m->ptr);
+			nc__free(m);
+		}
+		snprintf(why, why_len, "out of memory");
+		return NC_ENOMEM;
+	}
+	m->refs++;
+	region->base = m->ptr;
+	region->mapping = m;
+	region->release = cuda_region_release;
+	memcpy(region->handle, msg->handle.data, 64);
+	*out = region;
+	return 0;
+}
+
+/* ---- running jobs --------------------------------------------------------------------- */
+
+static int worker_reserve(struct cuda_worker *w, size_t bytes)
+{
+	if (bytes <= w->workspace_bytes)
+		return 0;
+	cudaFree(w->workspace);
+	w->workspace = NULL;
+	w->workspace_bytes = 0;
+	size_t rounded = (bytes + (1u << 20) - 1) & ~(size_t)((1u << 20) - 1);
+	if (cudaMalloc(&w->workspace, rounded) != cudaSuccess) {
+		cudaGetLastError();
+		return -1;
+	}
+	w->workspace_bytes = rounded;
+	return 0;
+}
+
+/* Times one variant on `args` (scratch buffers); returns milliseconds or -1. */
+static float worker_time_variant(struct cuda_worker *w, const struct nk_norm_args *args,
+				 const struct nk_variant *v)
+{
+	struct nk_cuda_exec exec = {w->stream, w->workspace, w->workspace_bytes, w->clamped};
+	float best = -1.0f;
+	for (int rep = 0; rep <= AUTOTUNE_REPS; rep++) {
+		float ms = 0;
+		cudaEventRecord(w->ev_start, w->stream);
+		int rc = nk_cuda_norm(args, &w->dev->info, v, &exec, NULL);
+		cudaEventRecord(w->ev_stop, w->stream);
+		if (rc != NK_OK || cudaEventSynchronize(w->ev_stop) != cudaSuccess ||
+		    cudaEventElapsedTime(&ms, w->ev_start, w->ev_stop) != cudaSuccess)
+			return -1.0f;
+		if (rep > 0 && (best < 0 || ms < best)) /* rep 0 warms up */
+			best = ms;
+	}
+	return best;
+}
+
+/* Points every tensor the job uses at scratch memory laid out after `base`. */
+static size_t autotune_layout(struct nk_norm_args *a, char *base)
+{
+	size_t wide = (size_t)a->rows * (size_t)a->cols * nk_dtype_size(a->dtype);
+	size_t stat = (size_t)a->rows * sizeof(float);
+	size_t vec = (size_t)a->cols * nk_dtype_size(a->weight_dtype);
+	size_t used = 0;
+#define AUTOTUNE_PLACE(field, bytes)                                                       \
+	do {                                                                               \
+		if (a->field) {                                                            \
+			*(void **)&a->field = base ? base + used : NULL;                   \
+			used += ((bytes) + 255) & ~(size_t)255;                             \
+		}                                                                          \
+	} while (0)
+	AUTOTUNE_PLACE(x, wide);
+	AUTOTUNE_PLACE(y, wide);
+	AUTOTUNE_PLACE(dy, wide);
+	AUTOTUNE_PLACE(dx, wide);
+	AUTOTUNE_PLACE(mean, stat);
+	AUTOTUNE_PLACE(rstd, stat);
+	AUTOTUNE_PLACE(gamma, vec);
+	AUTOTUNE_PLACE(beta, vec);
+	AUTOTUNE_PLACE(dgamma, vec);
+	AUTOTUNE_PLACE(dbeta, vec);
+#undef AUTOTUNE_PLACE
+	return used;
+}
+
+/*
+ * Times the candidate variants on daemon-owned scratch shaped like the job
+ * (about 16M elements, filled with a non-zero pattern) and keeps the fastest
+ * in *best. Returns 0, or -1 when there was nothing to choose or no memory.
+ */
+static int autotune_job(struct cuda_worker *w, const struct nk_norm_args *job,
+			struct nk_variant *best)
+{
+	struct nk_variant cands[AUTOTUNE_CANDIDATES];
+	int n = nk_cuda_variant_candidates(job, &w->dev->info, cands, AUTOTUNE_CANDIDATES);
+	if (n <= 1)
+		return -1;
+	struct nk_norm_args a = *job;
+	int64_t rows = ((int64_t)1 << 24) / a.cols;
+	a.rows = rows < 1 ? 1 : rows;
+	size_t bytes = autotune_layout(&a, NULL);
+	char *scratch = NULL;
+	if (cudaMalloc((void **)&scratch, bytes) != cudaSuccess) {
+		cudaGetLastError();
+		return -1;
+	}
+	cudaMemsetAsync(scratch, 0x3c, bytes, w->stream);
+	autotune_layout(&a, scratch);
+	float best_ms = -1.0f;
+	for (int i = 0; i < n; i++) {
+		if (!nk_cuda_variant_fits(&a, &w->dev->info, &cands[i]) ||
+		    worker_reserve(w, nk_cuda_workspace_bytes(&a, &w->dev->info, &cands[i])) != 0)
+			continue;
+		float ms = worker_time_variant(w, &a, &cands[i]);
+		if (ms >= 0 && (best_ms < 0 || ms < best_ms)) {
+			best_ms = ms;
+			*best = cands[i];
+		}
+	}
+	cudaStreamSynchronize(w->stream);
+	cudaFree(scratch);
+	char name[48];
+	nk_variant_name(best, name, sizeof(name));
+	log_info("event=autotune device=%d op=%s cols=%lld candidates=%d best=%s ms=%.4f",
+		 w->dev->ordinal, nk_op_name(job->op), (long long)job->cols, n, name,
+		 (double)best_ms);
+	return best_ms >= 0 ? 0 : -1;
+}
+
+/* The variant for a job: from the cache, else by rule or by timing. */
+static void worker_pick_variant(struct cuda_worker *w, const struct nk_norm_args *args,
+				struct nk_variant *v)
+{
+	struct cuda_device *dev = w->dev;
+	if (variant_cache_lookup(dev->cache, args, v))
+		return;
+	nk_cuda_variant_default(args, &dev->info, v);
+	enum variant_source source = VS_RULE;
+	if (dev->backend->autotune && autotune_job(w, args, v) == 0)
+		source = VS_AUTOTUNE;
+	variant_cache_store(dev->cache, args, v, source);
+}
+
+static void worker_fail(struct job *job, int status, const char *fmt, const char *detail)
+{
+	job->status = status;
+	snprintf(job->message, sizeof(job->message), fmt, detail);
+}
+
+static void worker_run(struct cuda_worker *w, struct job *job)
+{
+	struct backend_cuda *cuda = w->dev->backend;
+	job->t_start_ns = server_now_ns();
+	job->t_end_ns = job->t_start_ns;
+	if (atomic_load(&cuda->fatal))
+		return worker_fail(job, NC_EDEVICE_ERROR, "the device failed earlier: %s",
+				   cuda->fatal_message);
+	if (job->deadline_us && (job->t_start_ns - job->t_arrive_ns) / 1000 > job->deadline_us)
+		return worker_fail(job, NC_EOUT_OF_RANGE, "%s",
+				   "deadline passed before the job could start");
+	struct nk_variant v, ran;
+	worker_pick_variant(w, &job->args, &v);
+	if (worker_reserve(w, nk_cuda_workspace_bytes(&job->args, &w->dev->info, &v)) != 0)
+		return worker_fail(job, NC_ERESOURCE_EXHAUSTED, "%s",
+				   "out of device memory for the job's workspace");
+	*w->clamped = 0;
+	struct nk_cuda_exec exec = {w->stream, w->workspace, w->workspace_bytes, w->clamped};
+	cudaEventRecord(w->ev_start, w->stream);
+	int rc = nk_cuda_norm(&job->args, &w->dev->info, &v, &exec, &ran);
+	cudaEventRecord(w->ev_stop, w->stream);
+	cudaError_t err = cudaEventSynchronize(w->ev_stop);
+	if (err != cudaSuccess) {
+		cuda_set_fatal(cuda, w->dev->ordinal, err);
+		return worker_fail(job, NC_EDEVICE_ERROR, "the device failed running the job: %s",
+				   cudaGetErrorString(err));
+	}
+	if (rc != NK_OK)
+		return worker_fail(job, NC_EDEVICE_ERROR, "launch refused: %s",
+				   nk_cuda_last_error());
+	float ms = 0;
+	cudaEventElapsedTime(&ms, w->ev_start, w->ev_stop);
+	job->t_end_ns = job->t_start_ns + (uint64_t)(ms * 1e6f);
+	job->clamped_cols = *w->clamped;
+	nk_variant_name(&ran, job->variant, sizeof(job->variant));
+	job->status = NC_OK;
+}
+
+static void worker_main(void *arg)
+{
+	struct cuda_worker *w = arg;
+	struct cuda_device *dev = w->dev;
+	cudaSetDevice(dev->ordinal);
+	for (;;) {
+		uv_mutex_lock(&dev->lock);
+		while (!dev->head && !dev->stopping)
+			uv_cond_wait(&dev->wake, &dev->lock);
+		struct job *job = dev->head;
+		if (job) {
+			dev->head = job->next;
+			if (!dev->head)
+				dev->tail = NULL;
+		}
+		uv_mutex_unlock(&dev->lock);
+		if (!job)
+			return;
+		worker_run(w, job);
+		job_post_completion(job);
+	}
+}
+
+static int cuda_submit(struct backend *backend, struct job *job)
+{
+	struct backend_cuda *cuda = (struct backend_cuda *)backend;
+	struct cuda_device *dev = cuda_find_device(cuda, job->device);
+	if (!dev) {
+		snprintf(job->message, sizeof(job->message),
+			 "the job's tensors are not in CUDA device memory");
+		return NC_EINVALID_ARGUMENT;
+	}
+	if (atomic_load(&cuda->fatal)) {
+		snprintf(job->message, sizeof(job->message), "the device failed: %s",
+			 cuda->fatal_message);
+		return NC_EDEVICE_ERROR;
+	}
+	job->next = NULL;
+	uv_mutex_lock(&dev->lock);
+	if (dev->tail)
+		dev->tail->next = job;
+	else
+		dev->head = job;
+	dev->tail = job;
+	uv_cond_signal(&dev->wake);
+	uv_mutex_unlock(&dev->lock);
+	return NC_OK;
+}
+
+static struct variant_row *cuda_variants(struct backend *backend, size_t *n)
+{
+	struct backend_cuda *cuda = (struct backend_cuda *)backend;
+	struct variant_row *rows = NULL;
+	*n = 0;
+	for (int i = 0; i < cuda->device_count; i++)
+		variant_cache_rows(cuda->devices[i].cache, &rows, n);
+	return rows;
+}
+
+/* ---- set-up and tear-down --------------------------------------------------------------- */
+
+static void device_stop(struct cuda_device *dev)
+{
+	if (dev->ready) {
+		uv_mutex_lock(&dev->lock);
+		dev->stopping = true;
+		uv_cond_broadcast(&dev->wake);
+		uv_mutex_unlock(&dev->lock);
+	}
+	for (int i = 0; i < dev->worker_count; i++)
+		uv_thread_join(&dev->workers[i].thread);
+	cudaSetDevice(dev->ordinal);
+	for (int i = 0; i < CUDA_WORKERS_PER_DEVICE; i++) {
+		struct cuda_worker *w = &dev->workers[i];
+		if (w->stream)
+			cudaStreamDestroy(w->stream);
+		if (w->ev_start)
+			cudaEventDestroy(w->ev_start);
+		if (w->ev_stop)
+			cudaEventDestroy(w->ev_stop);
+		cudaFree(w->workspace);
+		cudaFreeHost(w->clamped);
+	}
+	variant_cache_destroy(dev->cache);
+	if (dev->ready) {
+		uv_cond_destroy(&dev->wake);
+		uv_mutex_destroy(&dev->lock);
+	}
+}
+
+static void cuda_destroy(struct backend *backend)
+{
+	struct backend_cuda *cuda = (struct backend_cuda *)backend;
+	if (!cuda)
+		return;
+	for (int i = 0; i < cuda->device_count; i++)
+		device_stop(&cuda->devices[i]);
+	nc__free(cuda->devices);
+	nc__free(cuda->described);
+	nc__free(cuda);
+}
+
+static int worker_init(struct cuda_worker *w, struct cuda_device *dev)
+{
+	w->dev = dev;
+	if (cudaStreamCreateWithFlags(&w->stream, cudaStreamNonBlocking) != cudaSuccess ||
+	    cudaEventCreate(&w->ev_start) != cudaSuccess ||
+	    cudaEventCreate(&w->ev_stop) != cudaSuccess ||
+	    cudaMallocHost((void **)&w->clamped, sizeof(uint32_t)) != cudaSuccess)
+		return -1;
+	return 0;
+}
+
+static int device_init(struct backend_cuda *cuda, struct cuda_device *dev,
+		       struct backend_device *described, int ordinal, const struct config *cfg)
+{
+	struct cudaDeviceProp prop;
+	dev->backend = cuda;
+	dev->ordinal = ordinal;
+	if (cudaSetDevice(ordinal) != cudaSuccess || cudaFree(NULL) != cudaSuccess ||
+	    cudaGetDeviceProperties(&prop, ordinal) != cudaSuccess) {
+		log_error("event=device_init_failed device=%d error=\"%s\"", ordinal,
+			  cudaGetErrorString(cudaGetLastError()));
+		return -1;
+	}
+	dev->info = (struct nk_device_info){
+		.ordinal = ordinal,
+		.sm_count = prop.multiProcessorCount,
+		.max_threads_per_sm = prop.maxThreadsPerMultiProcessor,
+		.max_smem_per_block_optin = prop.sharedMemPerBlockOptin,
+		.cc_major = prop.major,
+		.cc_minor = prop.minor,
+	};
+	described->index = ordinal;
+	memcpy(described->uuid, prop.uuid.bytes, 16);
+	snprintf(described->name, sizeof(described->name), "%.127s", prop.name);
+	described->sm_count = (uint32_t)prop.multiProcessorCount;
+	described->total_memory = prop.totalGlobalMem;
+	dev->cache = variant_cache_create(described->uuid, ordinal, cfg->state_dir);
+	if (!dev->cache || uv_mutex_init(&dev->lock))
+		return -1;
+	if (uv_cond_init(&dev->wake)) {
+		uv_mutex_destroy(&dev->lock);
+		return -1;
+	}
+	dev->ready = true;
+	for (int i = 0; i < CUDA_WORKERS_PER_DEVICE; i++) {
+		if (worker_init(&dev->workers[i], dev) != 0)
+			return -1;
+	}
+	for (; dev->worker_count < CUDA_WORKERS_PER_DEVICE; dev->worker_count++) {
+		struct cuda_worker *w = &dev->workers[dev->worker_count];
+		if (uv_thread_create(&w->thread, worker_main, w) != 0)
+			return -1;
+	}
+	log_info("event=device index=%d name=\"%s\" sms=%d memory=%llu cc=%d.%d workers=%d",
+		 ordinal, prop.name, prop.multiProcessorCount,
+		 (unsigned long long)prop.totalGlobalMem, prop.major, prop.minor,
+		 dev->worker_count);
+	return 0;
+}
+
+/* Parses "all", "0" or "0,2" into ordinals; returns the count or -1. */
+static int parse_devices(const char *spec, int available, int *ordinals)
+{
+	if (!strcmp(spec, "all")) {
+		for (int i = 0; i < available; i++)
+			ordinals[i] = i;
+		return available;
+	}
+	int n = 0;
+	uint32_t ids[CONFIG_MAX_IDS];
+	int count = config_parse_ids(spec, ids, CONFIG_MAX_IDS);
+	for (int i = 0; i < count; i++) {
+		if ((int)ids[i] >= available)
+			return -1;
+		bool seen = false;
+		for (int j = 0; j < n; j++)
+			seen |= ordinals[j] == (int)ids[i];
+		if (!seen)
+			ordinals[n++] = (int)ids[i];
+	}
+	return count > 0 ? n : -1;
+}
+
+int backend_cuda_create(const struct config *cfg, struct backend **out)
+{
+	int available = 0;
+	cudaError_t err = cudaGetDeviceCount(&available);
+	if (err != cudaSuccess || available == 0) {
+		log_error("event=no_device device=%s error=\"no usable CUDA device: %s\" "
+			  "hint=\"use --device cpu for the CPU backend\"",
+			  cfg->device, err != cudaSuccess ? cudaGetErrorString(err) : "none found");
+		return NC_EUNSUPPORTED;
+	}
+	int ordinals[CUDA_MAX_DEVICES];
+	int count = parse_devices(cfg->device, available < CUDA_MAX_DEVICES ? available
+									     : CUDA_MAX_DEVICES,
+				  ordinals);
+	if (count <= 0) {
+		log_error("event=bad_device device=%s error=\"expected cpu, all, or device indexes "
+			  "below %d\"",
+			  cfg->device, available);
+		return NC_EINVALID_ARGUMENT;
+	}
+	struct backend_cuda *cuda = nc__calloc(1, sizeof(*cuda));
+	if (!cuda)
+		return NC_ENOMEM;
+	cuda->base = (struct backend){
+		.name = "cuda",
+		.kind = NORMD__BACKEND_KIND__BACKEND_CUDA,
+		.region_map = cuda_region_map,
+		.submit = cuda_submit,
+		.fatal_error = cuda_fatal_error,
+		.variants = cuda_variants,
+		.destroy = cuda_destroy,
+	};
+	cuda->autotune = cfg->autotune;
+	cuda->devices = nc__calloc((size_t)count, sizeof(*cuda->devices));
+	cuda->described = nc__calloc((size_t)count, sizeof(*cuda->described));
+	if (!cuda->devices || !cuda->described) {
+		cuda_destroy(&cuda->base);
+		return NC_ENOMEM;
+	}
+	for (int i = 0; i < count; i++) {
+		cuda->device_count = i + 1;
+		if (device_init(cuda, &cuda->devices[i], &cuda->described[i], ordinals[i], cfg)) {
+			cuda_destroy(&cuda->base);
+			return NC_EDEVICE_ERROR;
+		}
+	}
+	cuda->base.devices = cuda->described;
+	cuda->base.device_count = count;
+	*out = &cuda->base;
+	return 0;
+}

@@ -1,0 +1,92 @@
+/*
+ * Driver entry points through the runtime (see cuda_driver.h). The function
+ * pointers are looked up once, thread-safely, on first use.
+ */
+#include "kernels/cuda_driver.h"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <pthread.h>
+#include <stddef.h>
+
+typedef CUresult (*pointer_get_attributes_fn)(unsigned int, CUpointer_attribute *, void **,
+						CUdeviceptr);
+typedef CUresult (*mem_get_address_range_fn)(CUdeviceptr *, size_t *, CUdeviceptr);
+
+static pthread_once_t lookup_once = PTHREAD_ONCE_INIT;
+static pointer_get_attributes_fn pointer_get_attributes;
+static mem_get_address_range_fn mem_get_address_range;
+
+static void *lookup(const char *symbol)
+{
+	void *fn = NULL;
+	enum cudaDriverEntryPointQueryResult status;
+	if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &status) !=
+		    cudaSuccess ||
+	    status != cudaDriverEntryPointSuccess)
+		return NULL;
+	return fn;
+}
+
+static void lookup_all(void)
+{
+	pointer_get_attributes = (pointer_get_attributes_fn)lookup("cuPointerGetAttributes");
+	mem_get_address_range = (mem_get_address_range_fn)lookup("cuMemGetAddressRange");
+}
+
+int nk_cuda_pointer_info(const void *ptr, struct nk_cuda_pointer_info *out, const char **why)
+{
+	pthread_once(&lookup_once, lookup_all);
+	if (!pointer_get_attributes) {
+		*why = "the CUDA driver is not available";
+		return -1;
+	}
+	CUdeviceptr start = 0;
+	size_t size = 0;
+	unsigned long long buffer_id = 0;
+	int device = -1, ipc = 0;
+	unsigned int managed = 0;
+	CUmemoryPool pool = NULL;
+	CUmemorytype type = (CUmemorytype)0;
+	CUpointer_attribute attrs[] = {
+		CU_POINTER_ATTRIBUTE_MEMORY_TYPE,     CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+		CU_POINTER_ATTRIBUTE_RANGE_SIZE,      CU_POINTER_ATTRIBUTE_BUFFER_ID,
+		CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,  CU_POINTER_ATTRIBUTE_IS_MANAGED,
+		CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+	};
+	void *data[] = {&type, &start, &size, &buffer_id, &device, &managed, &ipc, &pool};
+	if (pointer_get_attributes(sizeof(attrs) / sizeof(attrs[0]), attrs, data,
+				   (CUdeviceptr)(uintptr_t)ptr) != CUDA_SUCCESS) {
+		*why = "cuPointerGetAttributes failed";
+		return -1;
+	}
+	if (type != CU_MEMORYTYPE_DEVICE || start == 0) {
+		*why = "not a CUDA device pointer";
+		return -1;
+	}
+	out->base = (uint64_t)start;
+	out->size = (uint64_t)size;
+	out->buffer_id = buffer_id;
+	out->device = device;
+	out->managed = managed != 0;
+	out->from_pool = pool != NULL;
+	out->ipc_capable = ipc != 0;
+	return 0;
+}
+
+int nk_cuda_allocation_size(const void *base, uint64_t *size, const char **why)
+{
+	pthread_once(&lookup_once, lookup_all);
+	if (!mem_get_address_range) {
+		*why = "the CUDA driver is not available";
+		return -1;
+	}
+	CUdeviceptr start = 0;
+	size_t bytes = 0;
+	if (mem_get_address_range(&start, &bytes, (CUdeviceptr)(uintptr_t)base) != CUDA_SUCCESS) {
+		*why = "cuMemGetAddressRange failed";
+		return -1;
+	}
+	*size = (uint64_t)(bytes - ((uintptr_t)base - (uintptr_t)start));
+	return 0;
+}

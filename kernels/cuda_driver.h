@@ -1,0 +1,33 @@
+/*
+ * The few CUDA driver API entry points normd needs, reached through
+ * cudaGetDriverEntryPointByVersion so that nothing links libcuda: the daemon
+ * and the client library start on a machine without a GPU and say so.
+ * Shared by the daemon and libnormclient.
+ */
+#ifndef NORMD_CUDA_DRIVER_H
+#define NORMD_CUDA_DRIVER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+/* What the driver knows about the allocation holding a device pointer. */
+struct nk_cuda_pointer_info {
+	uint64_t base;               /* start of the allocation */
+	uint64_t size;               /* its size in bytes */
+	unsigned long long buffer_id; /* process-wide unique, never reused */
+	int device;                  /* device ordinal */
+	bool managed;                /* cudaMallocManaged */
+	bool from_pool;              /* cudaMallocAsync / memory pools */
+	bool ipc_capable;            /* cudaIpcGetMemHandle works on it */
+};
+
+/*
+ * Fills *out for `ptr`. Returns 0, or -1 with a static reason in *why (no
+ * driver, not a device pointer, ...).
+ */
+int nk_cuda_pointer_info(const void *ptr, struct nk_cuda_pointer_info *out, const char **why);
+
+/* The size of the allocation that starts at `base` (as opened by IPC); -1 on failure. */
+int nk_cuda_allocation_size(const void *base, uint64_t *size, const char **why);
+
+#endif /* NORMD_CUDA_DRIVER_H */
