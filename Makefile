@@ -130,9 +130,10 @@ $(B)/tests/%: $(B)/obj/tests/%.o $(TEST_SUPPORT_OBJS) $(TOOL_COMMON_OBJS) $(B)/l
 
 # ---- GPU programs (built here, run on the GPU machine) -----------------------
 BENCH_PROGS := $(patsubst bench/%.c,$(B)/bench/%,$(wildcard bench/*.c))
-$(B)/bench/%: $(B)/obj/bench/%.o $(B)/lib/libnormkernels.a
+$(B)/bench/%: $(B)/obj/bench/%.o $(TEST_SUPPORT_OBJS) $(TOOL_COMMON_OBJS) $(B)/lib/libnormclient.a \
+		$(B)/lib/libnormkernels.a
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $< $(B)/lib/libnormkernels.a $(CUDART) $(SYS_LIBS) -lstdc++
+	$(CC) $(LDFLAGS) -o $@ $< $(TEST_LIBS)
 
 .PHONY: gpu-progs
 gpu-progs: all $(GPU_TESTS) $(BENCH_PROGS)

@@ -302,7 +302,7 @@ void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 	if (job_validate(job, c, msg) == 0)
 		job->status = srv->backend->submit(srv->backend, job);
 	if (job->status != NC_OK) {
-		srv->stats.jobs_failed++;
+		stats_count_job(srv, job, false);
 		reply_job(c, job);
 		job_free(job);
 		return;
@@ -330,12 +330,7 @@ static void job_finish(struct job *job)
 {
 	struct client *c = job->client;
 	struct server *srv = c->srv;
-	if (job->status == NC_OK) {
-		srv->stats.jobs_ok++;
-		srv->stats.bytes_processed += job->bytes;
-	} else {
-		srv->stats.jobs_failed++;
-	}
+	stats_count_job(srv, job, true);
 	reply_job(c, job); /* dropped if the client is gone */
 	c->jobs_in_flight--;
 	srv->jobs_in_flight--;

@@ -164,6 +164,7 @@ void reply_stats(struct client *c, uint64_t request_id)
 	stats.n_errors_by_status = NORMD__STATUS__INTERNAL + 1;
 	stats.errors_by_status = srv->stats.errors_by_status;
 	stats.backend = (char *)srv->backend->name;
+	stats_fill_reply(srv, &stats);
 
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.has_request_id = true;

@@ -231,6 +231,7 @@ static void server_shutdown(struct server *srv)
 	uv_unref((uv_handle_t *)&srv->completion_async);
 	server_close_handle((uv_handle_t *)&srv->drain_timer);
 	server_close_handle((uv_handle_t *)&srv->reaper);
+	notify_stop(srv);
 }
 
 void server_drain_check(struct server *srv)
@@ -266,6 +267,7 @@ static void server_stop_listening(struct server *srv)
 static void server_begin_drain(struct server *srv, int status, const char *why)
 {
 	srv->draining = true;
+	notify_stopping(srv);
 	server_stop_listening(srv);
 	for (struct client *c = srv->clients; c; c = c->next)
 		reply_go_away(c, status, why);
@@ -352,6 +354,11 @@ int server_run(const struct config *cfg, struct backend *backend)
 	}
 	log_info("event=listening path=%s inherited=%s backend=%s pid=%d", cfg->socket,
 		 srv.listen_fd_inherited ? "yes" : "no", backend->name, (int)getpid());
+	/* READY=1 goes out only now: the socket accepts and the backend is up. */
+	if (notify_start(&srv)) {
+		log_error("event=init_failed error=\"libuv timers\"");
+		return 1;
+	}
 	uv_run(srv.loop, UV_RUN_DEFAULT);
 	/* Workers finish what they hold; answer (to nobody) and free it. */
 	backend->destroy(backend);
@@ -363,6 +370,7 @@ int server_run(const struct config *cfg, struct backend *backend)
 		;
 	uv_loop_close(srv.loop);
 	uv_mutex_destroy(&srv.completion_lock);
+	notify_close();
 	log_info("event=exit code=%d", srv.exit_code);
 	return srv.exit_code;
 }

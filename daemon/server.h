@@ -12,6 +12,8 @@
  *   region.c      a connection's registered memory
  *   job.c         job validation, submission and completion
  *   backend_*.c   where jobs run (backend_cpu.c: host memory, threads)
+ *   stats.c       per-op and per-device counters, latency histograms
+ *   notify.c      systemd notifications (READY, STATUS, STOPPING, WATCHDOG)
  *   config.c      the settings table; log.c logging
  */
 #ifndef NORMD_SERVER_H
@@ -210,6 +212,9 @@ struct backend {
 	const char *(*fatal_error)(struct backend *backend);
 	/* The variant cache as rows (nc__malloc'ed, count in *n); may be NULL. */
 	struct variant_row *(*variants)(struct backend *backend, size_t *n);
+	/* Variant-cache hits and misses on `device` so far, for Stats; may be NULL. */
+	void (*variant_cache_counts)(struct backend *backend, int device, uint64_t *hits,
+				     uint64_t *misses);
 	/* Stops the workers after the queued jobs are done, and frees. */
 	void (*destroy)(struct backend *backend);
 };
@@ -218,7 +223,48 @@ int backend_cpu_create(const struct config *cfg, struct backend **out);
 /* Opens the CUDA devices `cfg->device` names ("0", "0,1", "all"). */
 int backend_cuda_create(const struct config *cfg, struct backend **out);
 
+/* ---- systemd notifications (notify.c) ------------------------------------------ */
+
+/*
+ * Reads $NOTIFY_SOCKET and, when a service manager listens there, sends
+ * READY=1 with a first STATUS= line and starts the STATUS= and WATCHDOG=1
+ * timers. Call once the socket is bound and the backend initialised, right
+ * before uv_run(). Without $NOTIFY_SOCKET only the (idle) timers are set up.
+ * Returns 0, or -1 if the timers could not be initialised.
+ */
+int notify_start(struct server *srv);
+/* True when notifications go to a service manager. */
+bool notify_enabled(void);
+/* Sends one message ("KEY=value" lines); a no-op when not supervised. */
+void notify_send(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* STOPPING=1 and a draining STATUS=, when the drain begins. */
+void notify_stopping(struct server *srv);
+/* Closes the timers (part of the shutdown); safe to call twice. */
+void notify_stop(struct server *srv);
+/* Closes the notification socket after the loop has ended. */
+void notify_close(void);
+
 /* ---- the server (server.c) --------------------------------------------------- */
+
+#define STATS_OPS (NORMD__OP__WGRAD_ACCUM + 1) /* slots by wire Op; 0: unknown ops */
+#define STATS_LATENCY_BUCKETS 32  /* log2 microsecond buckets (normd.proto, OpStats) */
+#define STATS_DEVICES 17          /* slot 0: host memory; slot 1 + i: GPU i */
+
+/* One op's jobs (stats.c). */
+struct op_stats {
+	uint64_t jobs_by_status[NORMD__STATUS__INTERNAL + 1]; /* every job answered */
+	uint64_t bytes;              /* moved by jobs that succeeded */
+	uint64_t device_us;          /* compute time of jobs that ran */
+	uint64_t latency_us_sum;     /* arrival to completion of jobs that ran */
+	uint64_t latency[STATS_LATENCY_BUCKETS];
+};
+
+/* One device's jobs (stats.c); variant-cache counts come from the backend. */
+struct device_stats {
+	uint64_t jobs_ok, jobs_failed; /* jobs that ran there */
+	uint64_t bytes;              /* moved by jobs that succeeded */
+	uint64_t busy_us;            /* summed compute time */
+};
 
 /* Counters reported by Stats. */
 struct server_stats {
@@ -227,7 +273,24 @@ struct server_stats {
 	uint64_t jobs_failed;
 	uint64_t bytes_processed;
 	uint64_t errors_by_status[NORMD__STATUS__INTERNAL + 1];
+	struct op_stats ops[STATS_OPS];
+	struct device_stats devices[STATS_DEVICES];
 };
+
+/* ---- statistics (stats.c) ----------------------------------------------------- */
+
+/*
+ * Counts one answered job: by op and status, and, when it reached the
+ * backend (`ran`), its latency, compute time and device. Loop thread.
+ */
+void stats_count_job(struct server *srv, const struct job *job, bool ran);
+/*
+ * Adds the per-op and per-device counters to `reply`. The sub-messages live
+ * in static storage that the next call reuses: pack the reply before that.
+ */
+void stats_fill_reply(struct server *srv, Normd__StatsReply *reply);
+/* The histogram bucket of a latency in microseconds. */
+unsigned stats_latency_bucket(uint64_t us);
 
 struct server {
 	uv_loop_t *loop;

@@ -128,7 +128,7 @@ __device__ __forceinline__ void write_partials(const Params &p, int64_t prow, co
 }
 
 template <typename T, typename W, int NV>
-__global__ void __launch_bounds__(MAX_THREADS) bwd_tiled(const Params p)
+__global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tiled(const Params p)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	constexpr int E = NV * VEC;

@@ -109,6 +109,7 @@ struct nc_server_info {
 	uint32_t max_jobs_in_flight;
 	uint64_t max_mapped_bytes;
 	uint32_t device_count;
+	int device_index[16];  /* CUDA ordinals served (-1: the host, cpu backend) */
 };
 NC_API const struct nc_server_info *nc_server_info(const nc_conn *conn);
 
@@ -264,6 +265,35 @@ NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *s
 
 /* ---- inspection ------------------------------------------------------------ */
 
+#define NC_STATS_OPS 8           /* per-op slots, indexed by enum nc_op (0: unknown op) */
+#define NC_STATS_DEVICES 17      /* per-device entries at most */
+#define NC_LATENCY_BUCKETS 32    /* latency histogram buckets */
+
+/*
+ * One op's jobs since the daemon started. The latency histogram counts jobs
+ * that ran (not those refused before running), from arrival at the daemon
+ * to completion: bucket i < NC_LATENCY_BUCKETS - 1 holds jobs that took
+ * less than 2^i microseconds and at least 2^(i-1) (bucket 0: under 1 us);
+ * the last bucket holds every slower job.
+ */
+struct nc_op_stats {
+	uint64_t jobs_by_status[16];  /* every job answered, by wire status value */
+	uint64_t bytes;               /* read and written by jobs that succeeded */
+	uint64_t device_us;           /* compute time of the jobs that ran */
+	uint64_t latency_us_sum;      /* summed latency of the jobs that ran */
+	uint64_t latency_buckets[NC_LATENCY_BUCKETS];
+};
+
+/* One device's jobs since the daemon started. */
+struct nc_device_stats {
+	int32_t index;                /* CUDA ordinal; -1: host memory (CPU backend) */
+	uint64_t jobs_ok, jobs_failed; /* jobs that ran there */
+	uint64_t bytes;               /* read and written by jobs that succeeded */
+	uint64_t busy_us;             /* summed compute time */
+	bool has_variant_cache;       /* the two counts below are reported */
+	uint64_t variant_cache_hits, variant_cache_misses;
+};
+
 struct nc_stats {
 	uint64_t uptime_ms;
 	uint32_t clients;
@@ -275,12 +305,43 @@ struct nc_stats {
 	uint64_t mapped_bytes;
 	uint64_t rss_bytes;
 	uint64_t bytes_processed;
-	uint64_t errors_by_status[16]; /* indexed by wire status value */
+	uint64_t errors_by_status[16]; /* every reply, indexed by wire status value */
 	char backend[16];
+	struct nc_op_stats ops[NC_STATS_OPS]; /* indexed by enum nc_op */
+	uint32_t device_count;
+	struct nc_device_stats devices[NC_STATS_DEVICES];
 };
 
 /* Fetches the daemon's counters. Errors: NC_EIO, NC_ETIMEOUT. */
 NC_API int nc_stats_get(nc_conn *conn, int timeout_ms, struct nc_stats *out);
+
+/*
+ * Estimates the `quantile` (0 to 1) of a latency histogram in microseconds,
+ * interpolating inside the bucket it falls in (as Prometheus does), so the
+ * estimate is within a factor of two. Returns 0 for an empty histogram.
+ */
+NC_API double nc_latency_quantile_us(const uint64_t buckets[NC_LATENCY_BUCKETS],
+				     double quantile);
+
+/* One entry of the daemon's kernel-variant cache (CUDA backend). */
+struct nc_variant_info {
+	int device;
+	enum nc_op op;
+	enum nc_dtype dtype, weight_dtype;
+	unsigned flags;   /* 1 memory_efficient, 2 gamma, 4 beta */
+	uint64_t cols;
+	char variant[48]; /* the kernel and launch shape */
+	char source[12];  /* "rule", "autotune" or "file" */
+	uint64_t uses;    /* jobs that ran it since the daemon started */
+};
+
+/*
+ * Fetches the variant cache. On success *out (free with nc_variants_free)
+ * holds *count entries; the CPU backend has none. Errors: NC_EIO, NC_ETIMEOUT.
+ */
+NC_API int nc_variants_get(nc_conn *conn, int timeout_ms, struct nc_variant_info **out,
+			   size_t *count);
+NC_API void nc_variants_free(struct nc_variant_info *list);
 
 #ifdef __cplusplus
 }

@@ -409,6 +409,8 @@ static void keep_server_info(nc_conn *conn, const Normd__HelloReply *hello)
 		    hello->backend == NORMD__BACKEND_KIND__BACKEND_CUDA ? "cuda" : "cpu");
 	info->server_pid = hello->server_pid;
 	info->device_count = (uint32_t)hello->n_devices;
+	for (size_t i = 0; i < hello->n_devices && i < 16; i++)
+		info->device_index[i] = hello->devices[i]->index;
 	if (hello->limits) {
 		info->max_frame = hello->limits->max_frame;
 		info->max_regions = hello->limits->max_regions;
@@ -528,6 +530,43 @@ NC_API int nc_ping(nc_conn *conn, int timeout_ms)
 	return rc;
 }
 
+/* Per-op counters; slots beyond NC_STATS_OPS are dropped. */
+static void stats_copy_ops(struct nc_stats *out, const Normd__StatsReply *s)
+{
+	for (size_t i = 0; i < s->n_ops; i++) {
+		const Normd__OpStats *m = s->ops[i];
+		if ((unsigned)m->op >= NC_STATS_OPS)
+			continue;
+		struct nc_op_stats *o = &out->ops[m->op];
+		for (size_t k = 0; k < m->n_jobs_by_status && k < 16; k++)
+			o->jobs_by_status[k] = m->jobs_by_status[k];
+		o->bytes = m->bytes;
+		o->device_us = m->device_us;
+		o->latency_us_sum = m->latency_us_sum;
+		for (size_t k = 0; k < m->n_latency_buckets; k++) {
+			/* A longer histogram from a newer daemon folds into the open last bucket. */
+			size_t b = k < NC_LATENCY_BUCKETS ? k : NC_LATENCY_BUCKETS - 1;
+			o->latency_buckets[b] += m->latency_buckets[k];
+		}
+	}
+}
+
+static void stats_copy_devices(struct nc_stats *out, const Normd__StatsReply *s)
+{
+	for (size_t i = 0; i < s->n_devices && out->device_count < NC_STATS_DEVICES; i++) {
+		const Normd__DeviceStats *m = s->devices[i];
+		struct nc_device_stats *d = &out->devices[out->device_count++];
+		d->index = m->index;
+		d->jobs_ok = m->jobs_ok;
+		d->jobs_failed = m->jobs_failed;
+		d->bytes = m->bytes;
+		d->busy_us = m->busy_us;
+		d->has_variant_cache = m->has_variant_cache_hits || m->has_variant_cache_misses;
+		d->variant_cache_hits = m->variant_cache_hits;
+		d->variant_cache_misses = m->variant_cache_misses;
+	}
+}
+
 NC_API int nc_stats_get(nc_conn *conn, int timeout_ms, struct nc_stats *out)
 {
 	if (!conn || !out)
@@ -559,6 +598,54 @@ NC_API int nc_stats_get(nc_conn *conn, int timeout_ms, struct nc_stats *out)
 	for (size_t i = 0; i < s->n_errors_by_status && i < 16; i++)
 		out->errors_by_status[i] = s->errors_by_status[i];
 	copy_string(out->backend, sizeof(out->backend), s->backend);
+	stats_copy_ops(out, s);
+	stats_copy_devices(out, s);
 	nc__envelope_free(reply);
 	return 0;
+}
+
+NC_API int nc_variants_get(nc_conn *conn, int timeout_ms, struct nc_variant_info **out,
+			   size_t *count)
+{
+	if (!conn || !out || !count)
+		return nc__fail(NC_EINVALID_ARGUMENT, "conn, out and count must not be NULL");
+	Normd__VariantsRequest req = NORMD__VARIANTS_REQUEST__INIT;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.body_case = NORMD__ENVELOPE__BODY_VARIANTS;
+	env.variants = &req;
+	Normd__Envelope *reply;
+	int rc = nc__call(conn, &env, -1, timeout_ms, &reply);
+	if (rc)
+		return rc;
+	if (reply->body_case != NORMD__ENVELOPE__BODY_VARIANTS_REPLY) {
+		nc__envelope_free(reply);
+		return nc__fail(NC_EPROTOCOL_ERROR, "unexpected reply to Variants");
+	}
+	const Normd__VariantsReply *v = reply->variants_reply;
+	struct nc_variant_info *list = nc__calloc(v->n_entries ? v->n_entries : 1, sizeof(*list));
+	if (!list) {
+		nc__envelope_free(reply);
+		return nc__fail(NC_ENOMEM, "out of memory for the variant list");
+	}
+	for (size_t i = 0; i < v->n_entries; i++) {
+		const Normd__VariantEntry *e = v->entries[i];
+		list[i].device = e->device;
+		list[i].op = (enum nc_op)e->op;
+		list[i].dtype = (enum nc_dtype)e->dtype;
+		list[i].weight_dtype = (enum nc_dtype)e->weight_dtype;
+		list[i].flags = e->flags;
+		list[i].cols = e->cols;
+		copy_string(list[i].variant, sizeof(list[i].variant), e->variant);
+		copy_string(list[i].source, sizeof(list[i].source), e->source);
+		list[i].uses = e->uses;
+	}
+	*out = list;
+	*count = v->n_entries;
+	nc__envelope_free(reply);
+	return 0;
+}
+
+NC_API void nc_variants_free(struct nc_variant_info *list)
+{
+	nc__free(list);
 }

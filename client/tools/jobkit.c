@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cuda_runtime_api.h>
+
 #include "kernels/norm_kernels.h"
 
 #define JK_ROLES 10
@@ -249,6 +251,21 @@ static struct nc_tensor *job_tensor(struct nc_job *job, int role)
 	return tensors[role];
 }
 
+/* One cudaMalloc allocation for every tensor, registered, plus its host staging copy. */
+static int jobkit_alloc_device(nc_conn *conn, struct jobkit *kit)
+{
+	kit->staging = malloc(kit->total);
+	if (!kit->staging)
+		return NC_ENOMEM;
+	if (cudaSetDevice(kit->spec.device) != cudaSuccess ||
+	    cudaMalloc(&kit->device_base, kit->total) != cudaSuccess) {
+		cudaGetLastError();
+		kit->device_base = NULL;
+		return NC_ENOMEM;
+	}
+	return nc_region_register_device(conn, kit->device_base, &kit->region);
+}
+
 int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *kit)
 {
 	bool used[JK_ROLES];
@@ -266,9 +283,13 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 		offsets[role] = total;
 		total += (kit->bytes[role] + JK_ALIGN - 1) / JK_ALIGN * JK_ALIGN;
 	}
-	int rc = nc_region_alloc_host(conn, total, &kit->region);
-	if (rc)
+	kit->total = total;
+	int rc = spec->on_device ? jobkit_alloc_device(conn, kit) :
+				   nc_region_alloc_host(conn, total, &kit->region);
+	if (rc) {
+		jobkit_destroy(kit);
 		return rc;
+	}
 	struct nc_job *job = &kit->job;
 	job->op = spec->op;
 	job->rows = spec->rows;
@@ -278,17 +299,23 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 	job->weight_dtype = spec->weight_dtype;
 	job->flags = (spec->memory_efficient ? NC_MEMORY_EFFICIENT : 0u) |
 		     (spec->accumulate ? NC_ACCUMULATE : 0u);
-	char *base = nc_region_data(kit->region);
+	char *base = spec->on_device ? kit->staging : nc_region_data(kit->region);
 	for (int role = 0; role < JK_ROLES; role++) {
 		if (!used[role])
 			continue;
 		kit->ptr[role] = base + offsets[role];
-		*job_tensor(job, role) = nc_tensor_at(kit->region, kit->ptr[role]);
+		job_tensor(job, role)->region = nc_region_id(kit->region);
+		job_tensor(job, role)->offset = offsets[role];
 	}
 	jobkit_fill(kit, used);
 	if (op_is_backward(spec->op) && jobkit_forward_inputs(kit) != 0) {
 		jobkit_destroy(kit);
 		return NC_ENOMEM;
+	}
+	if (spec->on_device &&
+	    cudaMemcpy(kit->device_base, kit->staging, total, cudaMemcpyHostToDevice) != cudaSuccess) {
+		jobkit_destroy(kit);
+		return NC_EINTERNAL;
 	}
 	return 0;
 }
@@ -297,6 +324,9 @@ void jobkit_destroy(struct jobkit *kit)
 {
 	if (kit->region)
 		nc_region_free(kit->region);
+	if (kit->device_base)
+		cudaFree(kit->device_base);
+	free(kit->staging);
 	for (int role = 0; role < JK_ROLES; role++)
 		free(kit->initial[role]);
 	memset(kit, 0, sizeof(*kit));
@@ -365,6 +395,13 @@ bool jobkit_check(const struct jobkit *kit, struct jobkit_report *report)
 	void *ref[JK_ROLES] = {0}, *ptr[JK_ROLES];
 	memset(report, 0, sizeof(*report));
 	report->ok = true;
+	if (kit->spec.on_device &&
+	    cudaMemcpy(kit->staging, kit->device_base, kit->total, cudaMemcpyDeviceToHost) !=
+		    cudaSuccess) {
+		report->ok = false;
+		snprintf(report->detail, sizeof(report->detail), "cannot copy the outputs back");
+		return false;
+	}
 	memcpy(ptr, kit->ptr, sizeof(ptr));
 	for (int role = 0; role < JK_ROLES; role++) {
 		if (!kit->ptr[role] || !is_output(&kit->spec, role))

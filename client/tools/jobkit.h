@@ -28,11 +28,16 @@ struct jobkit_spec {
 	bool accumulate;
 	float eps;                  /* 0: 1e-5 */
 	uint64_t seed;
+	bool on_device;             /* tensors in cudaMalloc memory (CUDA backend) */
+	int device;                 /* which GPU, when on_device */
 };
 
 struct jobkit {
 	struct jobkit_spec spec;
-	nc_region *region;
+	nc_region *region;          /* host memfd, or the device allocation */
+	void *device_base;          /* on_device: the cudaMalloc allocation */
+	void *staging;              /* on_device: host copy that ptr[] points into */
+	size_t total;               /* bytes of all tensors */
 	struct nc_job job;          /* ready to submit */
 	size_t bytes[10];           /* bytes of each tensor, by role (0: absent) */
 	void *ptr[10];              /* each tensor in the region, by role */

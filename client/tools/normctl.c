@@ -3,6 +3,7 @@
  *
  *   normctl [--socket PATH] ping
  *   normctl [--socket PATH] stats [--json]
+ *   normctl [--socket PATH] variants
  *   normctl [--socket PATH] demo [--rows N] [--cols N]
  *
  * `demo` runs LayerNorm and RMSNorm forward and backward (memory_efficient
@@ -90,6 +91,33 @@ static int cmd_stats(nc_conn *conn, bool json)
 	return 0;
 }
 
+static int cmd_variants(nc_conn *conn)
+{
+	struct nc_variant_info *list;
+	size_t n;
+	int rc = nc_variants_get(conn, TIMEOUT_MS, &list, &n);
+	if (rc) {
+		fprintf(stderr, "normctl: variants: %s: %s\n", nc_strerror(rc), nc_last_error());
+		return 1;
+	}
+	printf("%-6s %-14s %-10s %-8s %-22s %-8s %s\n", "device", "op", "dtypes", "cols",
+	       "variant", "source", "uses");
+	for (size_t i = 0; i < n; i++) {
+		const struct nc_variant_info *v = &list[i];
+		char dtypes[16], op[32];
+		snprintf(dtypes, sizeof(dtypes), "%s/%s", jobkit_dtype_name(v->dtype),
+			 jobkit_dtype_name(v->weight_dtype));
+		snprintf(op, sizeof(op), "%s%s", jobkit_op_name(v->op), (v->flags & 1) ? "+me" : "");
+		printf("%-6d %-14s %-10s %-8llu %-22s %-8s %llu\n", v->device, op, dtypes,
+		       (unsigned long long)v->cols, v->variant, v->source,
+		       (unsigned long long)v->uses);
+	}
+	if (n == 0)
+		printf("(empty: the cpu backend has no variants, or no job has run yet)\n");
+	nc_variants_free(list);
+	return 0;
+}
+
 /* One demo job; returns true if it ran and matched the reference. */
 static bool demo_one(nc_conn *conn, const struct jobkit_spec *spec)
 {
@@ -130,6 +158,9 @@ static int cmd_demo(nc_conn *conn, uint64_t rows, uint64_t cols)
 		enum nc_dtype dtype, weight;
 	} types[] = {{NC_F32, 0}, {NC_BF16, 0}, {NC_F16, 0}, {NC_BF16, NC_F32}};
 	int failed = 0, total = 0;
+	const struct nc_server_info *info = nc_server_info(conn);
+	bool on_device = !strcmp(info->backend, "cuda");
+	int device = info->device_index[0];
 	printf("normd demo on the %s backend; errors against the float64 reference\n"
 	       "(rel = max|out-ref| / max|ref| per output; L2 = ||out-ref|| / ||ref||)\n\n",
 	       nc_server_info(conn)->backend);
@@ -144,6 +175,7 @@ static int cmd_demo(nc_conn *conn, uint64_t rows, uint64_t cols)
 					.dtype = types[t].dtype, .weight_dtype = types[t].weight,
 					.gamma = true, .beta = true, .memory_efficient = mem_eff,
 					.seed = 1000 + (uint64_t)total,
+					.on_device = on_device, .device = device,
 				};
 				failed += !demo_one(conn, &spec);
 				total++;
@@ -156,7 +188,7 @@ static int cmd_demo(nc_conn *conn, uint64_t rows, uint64_t cols)
 
 static void usage(void)
 {
-	fprintf(stderr, "usage: normctl [--socket PATH] ping | stats [--json] | "
+	fprintf(stderr, "usage: normctl [--socket PATH] ping | stats [--json] | variants | "
 			"demo [--rows N] [--cols N]\n");
 }
 
@@ -199,6 +231,8 @@ int main(int argc, char **argv)
 		status = cmd_stats(conn, json);
 	else if (!strcmp(command, "demo"))
 		status = cmd_demo(conn, rows, cols);
+	else if (!strcmp(command, "variants"))
+		status = cmd_variants(conn);
 	else {
 		usage();
 		status = 2;

@@ -3,6 +3,7 @@
  */
 #include "tests/support/testlib.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -27,7 +28,29 @@ static void sleep_ms(int ms)
 	nanosleep(&ts, NULL);
 }
 
+/* Removes the daemon's private directory and the files in it. */
+static void remove_dir(const char *dir)
+{
+	DIR *dp = opendir(dir);
+	struct dirent *e;
+	char path[512];
+	while (dp && (e = readdir(dp))) {
+		if (e->d_name[0] == '.')
+			continue;
+		snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+		unlink(path);
+	}
+	if (dp)
+		closedir(dp);
+	rmdir(dir);
+}
+
 int test_daemon_start(struct test_daemon *d, const char *const *extra)
+{
+	return test_daemon_start_on(d, "cpu", extra);
+}
+
+int test_daemon_start_on(struct test_daemon *d, const char *device, const char *const *extra)
 {
 	memset(d, 0, sizeof(*d));
 	snprintf(d->dir, sizeof(d->dir), "/tmp/normd-test.XXXXXX");
@@ -36,9 +59,9 @@ int test_daemon_start(struct test_daemon *d, const char *const *extra)
 	snprintf(d->socket, sizeof(d->socket), "%s/normd.sock", d->dir);
 	snprintf(d->log, sizeof(d->log), "%s/normd.log", d->dir);
 	const char *bin = getenv("NORMD_BIN") ? getenv("NORMD_BIN") : "build/bin/normd";
-	const char *argv[64] = {bin, "--device", "cpu", "--socket", d->socket, "--log-level",
-				"debug"};
-	int argc = 7;
+	const char *argv[64] = {bin, "--device", device, "--socket", d->socket, "--log-level",
+				"debug", "--state-dir", d->dir};
+	int argc = 9;
 	for (int i = 0; extra && extra[i] && argc < 63; i++)
 		argv[argc++] = extra[i];
 	argv[argc] = NULL;
@@ -95,9 +118,7 @@ int test_daemon_stop(struct test_daemon *d)
 		}
 	}
 	d->pid = 0;
-	unlink(d->socket);
-	unlink(d->log);
-	rmdir(d->dir);
+	remove_dir(d->dir);
 	if (status == -1)
 		return -1;
 	return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);

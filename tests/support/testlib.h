@@ -28,6 +28,8 @@ struct test_daemon {
  * until it accepts. Returns 0 or -1.
  */
 int test_daemon_start(struct test_daemon *d, const char *const *extra);
+/* The same on `device` ("cpu", "0", "all"), with a private --state-dir. */
+int test_daemon_start_on(struct test_daemon *d, const char *device, const char *const *extra);
 /* True while the daemon process is alive. */
 bool test_daemon_alive(struct test_daemon *d);
 /* SIGTERM, wait; returns the exit status (or -1 if it had to be killed). */

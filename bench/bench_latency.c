@@ -1,0 +1,216 @@
+/*
+ * End-to-end latency of a tiny job (rows = 1, cols = 1024, bf16 RMSNorm
+ * forward) through normd on the GPU, beside the two floors it is built from,
+ * all measured in this one run on this machine:
+ *   - a bare Unix-socket round trip between two processes (64-byte ping-pong),
+ *   - a bare kernel launch + stream synchronize of the same job in-process.
+ * Completion modes: synchronous (nc_job_run_on_stream) is measured; the IPC
+ * event mode is not implemented yet and is reported as such.
+ * Target (issue 4): sync p50 within 1.5x of (round trip + launch/sync), p99 < 100 us.
+ *
+ * Usage: build/bench/bench_latency [iterations]   (run from the repository root)
+ */
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kernels/norm_kernels.h"
+#include "normclient.h"
+#include "tests/support/testlib.h"
+
+static double now_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+struct summary {
+	double p50, p99, max;
+};
+
+static struct summary summarize(double *v, int n)
+{
+	qsort(v, (size_t)n, sizeof(double), cmp_double);
+	struct summary s = {v[n / 2], v[(int)(n * 0.99)], v[n - 1]};
+	return s;
+}
+
+/* Round trips of 64 bytes over a Unix socket to an echoing child process. */
+static struct summary socket_round_trip(int iters)
+{
+	char path[] = "/tmp/normd-rtt.XXXXXX";
+	int tmp = mkstemp(path);
+	close(tmp);
+	unlink(path);
+	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path);
+	int lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+	if (bind(lfd, (struct sockaddr *)&addr, sizeof(addr)) || listen(lfd, 1))
+		exit(1);
+	pid_t pid = fork();
+	if (pid == 0) {
+		int c = accept(lfd, NULL, NULL);
+		char buf[64];
+		while (recv(c, buf, sizeof(buf), MSG_WAITALL) == sizeof(buf))
+			send(c, buf, sizeof(buf), 0);
+		_exit(0);
+	}
+	int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+	if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)))
+		exit(1);
+	double *v = malloc(sizeof(double) * (size_t)iters);
+	char buf[64] = {1};
+	for (int i = -100; i < iters; i++) {
+		double t0 = now_us();
+		send(fd, buf, sizeof(buf), 0);
+		recv(fd, buf, sizeof(buf), MSG_WAITALL);
+		if (i >= 0)
+			v[i] = now_us() - t0;
+	}
+	close(fd);
+	waitpid(pid, NULL, 0);
+	close(lfd);
+	unlink(path);
+	struct summary s = summarize(v, iters);
+	free(v);
+	return s;
+}
+
+/* The tiny job's tensors in one allocation: x, y, gamma. */
+struct tiny {
+	char *base;
+	struct nk_norm_args args;
+};
+
+static void tiny_init(struct tiny *t)
+{
+	size_t bytes = 3 * 4096;
+	cudaMalloc((void **)&t->base, bytes);
+	cudaMemset(t->base, 0x3c, bytes); /* bf16 1.07: non-zero data */
+	memset(&t->args, 0, sizeof(t->args));
+	t->args.op = NK_RMSNORM_FWD;
+	t->args.rows = 1;
+	t->args.cols = 1024;
+	t->args.eps = 1e-5f;
+	t->args.dtype = t->args.weight_dtype = NK_BF16;
+	t->args.x = t->base;
+	t->args.y = t->base + 4096;
+	t->args.gamma = t->base + 8192;
+}
+
+/* In-process launch + synchronize: the device floor. */
+static struct summary launch_sync(struct tiny *t, int iters)
+{
+	struct nk_device_info dev = {0};
+	struct cudaDeviceProp prop;
+	cudaGetDeviceProperties(&prop, 0);
+	dev.sm_count = prop.multiProcessorCount;
+	dev.max_threads_per_sm = prop.maxThreadsPerMultiProcessor;
+	dev.max_smem_per_block_optin = prop.sharedMemPerBlockOptin;
+	dev.cc_major = prop.major;
+	dev.cc_minor = prop.minor;
+	struct nk_variant v;
+	nk_cuda_variant_default(&t->args, &dev, &v);
+	void *ws = NULL;
+	size_t ws_bytes = nk_cuda_workspace_bytes(&t->args, &dev, &v);
+	cudaMalloc(&ws, ws_bytes ? ws_bytes : 1);
+	cudaStream_t stream;
+	cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+	struct nk_cuda_exec exec = {stream, ws, ws_bytes, NULL};
+	double *samples = malloc(sizeof(double) * (size_t)iters);
+	for (int i = -100; i < iters; i++) {
+		double t0 = now_us();
+		nk_cuda_norm(&t->args, &dev, &v, &exec, NULL);
+		cudaStreamSynchronize(stream);
+		if (i >= 0)
+			samples[i] = now_us() - t0;
+	}
+	cudaStreamDestroy(stream);
+	cudaFree(ws);
+	struct summary s = summarize(samples, iters);
+	free(samples);
+	return s;
+}
+
+/* The same job through normd, synchronous mode. */
+static int through_normd(struct tiny *t, const char *socket_path, int iters, struct summary *out)
+{
+	nc_conn *conn;
+	if (nc_connect(socket_path, "bench-latency", 10000, &conn)) {
+		fprintf(stderr, "connect: %s\n", nc_last_error());
+		return -1;
+	}
+	struct nc_job job = {.op = NC_RMSNORM_FWD, .rows = 1, .cols = 1024, .dtype = NC_BF16};
+	if (nc_tensor_device(conn, t->args.x, &job.x) || nc_tensor_device(conn, t->args.y, &job.y) ||
+	    nc_tensor_device(conn, t->args.gamma, &job.gamma)) {
+		fprintf(stderr, "register: %s\n", nc_last_error());
+		nc_close(conn);
+		return -1;
+	}
+	double *samples = malloc(sizeof(double) * (size_t)iters);
+	struct nc_job_result result;
+	for (int i = -200; i < iters; i++) {
+		double t0 = now_us();
+		if (nc_job_run_on_stream(conn, &job, NULL, 10000, &result) != NC_OK) {
+			fprintf(stderr, "job: %s\n", result.message);
+			free(samples);
+			nc_close(conn);
+			return -1;
+		}
+		if (i >= 0)
+			samples[i] = now_us() - t0;
+	}
+	*out = summarize(samples, iters);
+	printf("  (variant %s)\n", result.variant);
+	free(samples);
+	nc_close(conn);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	int iters = argc > 1 ? atoi(argv[1]) : 20000;
+	struct test_daemon d;
+	/* Start the daemon before this process touches CUDA (it forks). */
+	if (test_daemon_start_on(&d, "0", NULL) != 0) {
+		fprintf(stderr, "cannot start normd --device 0\n");
+		return 1;
+	}
+	struct summary rtt = socket_round_trip(iters);
+	struct tiny t;
+	tiny_init(&t);
+	struct summary launch = launch_sync(&t, iters);
+	struct summary sync = {0};
+	int rc = through_normd(&t, d.socket, iters, &sync);
+	test_daemon_stop(&d);
+	if (rc)
+		return 1;
+	double floor = rtt.p50 + launch.p50;
+	printf("tiny job: RMSNorm fwd, rows=1, cols=1024, bf16; %d iterations each\n", iters);
+	printf("%-36s %9s %9s %9s\n", "measurement", "p50_us", "p99_us", "max_us");
+	printf("%-36s %9.1f %9.1f %9.1f\n", "unix socket round trip (2 procs)", rtt.p50, rtt.p99,
+	       rtt.max);
+	printf("%-36s %9.1f %9.1f %9.1f\n", "kernel launch + sync (in-process)", launch.p50,
+	       launch.p99, launch.max);
+	printf("%-36s %9.1f %9.1f %9.1f\n", "normd sync mode (end to end)", sync.p50, sync.p99,
+	       sync.max);
+	printf("%-36s %9s\n", "normd event mode", "not implemented");
+	printf("sync p50 / (rtt p50 + launch p50) = %.2f (target <= 1.5); sync p99 %.1f us "
+	       "(target < 100)\n",
+	       sync.p50 / floor, sync.p99);
+	cudaFree(t.base);
+	return 0;
+}

@@ -1,0 +1,1582 @@
+/*
+ * normstress: load-test a running normd through libnormclient, with chaos.
+ *
+ *   normstress --socket PATH --procs N --threads T (--jobs J | --duration S)
+ *              [--ops ln_fwd,ln_bwd,rms_fwd,rms_bwd] [--dtypes f32,f16,bf16]
+ *              [--rows LIST|MIN-MAX] [--cols LIST|MIN-MAX] [--inflight K]
+ *              [--mode sync|event] [--verify FRACTION] [--seed S] [--json FILE]
+ *              [--kill-rate R] [--bad-rate R] [--timeout MS] [--kit-reuse N]
+ *
+ * N client processes (fork) run T threads each; every thread has its own
+ * connection and its own pool of registered regions ("kits": a job with its
+ * buffers, see jobkit.h) of random ops, shapes, dtypes and flags, and keeps
+ * K jobs in flight (nc_job_submit, then nc_job_wait). A kit is never
+ * resubmitted while a request naming it is in flight, so a result can be
+ * checked against the float64 reference (--verify, the fraction checked).
+ * Kits are replaced after --kit-reuse jobs, so regions are registered and
+ * unregistered under load too.
+ *
+ * Chaos: --kill-rate R SIGKILLs each client process at random moments (R per
+ * second on average) and starts it again; the jobs it had in flight are lost,
+ * which is counted but is not an error. --bad-rate R replaces that fraction
+ * of requests with invalid ones (unknown op or dtype, impossible shape, bad
+ * eps, unregistered region, offset out of range, missing or stray tensor...)
+ * that must get their exact error status while valid jobs around them are
+ * unaffected.
+ *
+ * The run ends after J requests or S seconds (whichever comes first when both
+ * are given), or at SIGINT/SIGTERM; clients then finish what is in flight. The
+ * counters and latency histograms of all threads live in one shared anonymous
+ * mapping made before fork, so the parent merges them, also those of killed
+ * processes. A progress line goes to stderr when it is a terminal; the
+ * summary goes to stdout (and as JSON to --json FILE). The daemon's RSS is
+ * read before the clients start and after they are gone.
+ *
+ * Exit status: 0 when every valid job succeeded and matched the reference and
+ * every invalid one got its expected status; 1 otherwise (or when the daemon
+ * is unreachable); 2 for a bad command line or a mode the daemon cannot run.
+ *
+ * --mode event (ordering with CUDA IPC events) and CUDA regions belong to the
+ * CUDA backend; on the CPU backend only --mode sync runs. The kit_*()
+ * functions are the one place that knows where a kit's memory lives.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "client/tools/jobkit.h"
+#include "normclient.h"
+
+#define DEFAULT_SOCKET "/run/normd/normd.sock"
+#define MAX_SLOTS 4096            /* processes x threads */
+#define MAX_INFLIGHT 1024         /* per thread */
+#define MAX_SIZE (1ull << 26)     /* largest rows or cols accepted on the command line */
+#define MAX_LIST 64
+#define DETAIL_LINES 5            /* failure descriptions each thread prints */
+#define ROLES 10                  /* jobkit's tensor roles */
+#define PROGRESS_NS 500000000ull  /* progress line refresh */
+#define TICK_NS 10000000ull       /* the parent's polling period */
+
+_Static_assert(ATOMIC_LONG_LOCK_FREE == 2 && ATOMIC_BOOL_LOCK_FREE == 2,
+	       "counters shared between processes must be lock-free atomics");
+
+/* ---- options ------------------------------------------------------------------ */
+
+enum stress_mode { MODE_SYNC, MODE_EVENT };
+
+/* A set of sizes: an explicit list, or a range drawn log-uniformly. */
+struct size_choice {
+	uint64_t values[MAX_LIST];
+	unsigned count; /* 0: the range lo..hi */
+	uint64_t lo, hi;
+};
+
+struct stress_opts {
+	const char *socket_path;
+	unsigned procs, threads;
+	unsigned inflight;       /* requests in flight per thread */
+	uint64_t jobs;           /* requests in all; 0: no count bound */
+	double duration_s;       /* 0: no time bound */
+	int ops[8];              /* enum nc_op, drawn uniformly */
+	unsigned n_ops;
+	int dtypes[8];           /* enum nc_dtype, drawn uniformly */
+	unsigned n_dtypes;
+	struct size_choice rows, cols;
+	enum stress_mode mode;
+	double verify;           /* fraction of valid jobs checked */
+	double kill_rate;        /* kills per second per process */
+	double bad_rate;         /* fraction of requests made invalid */
+	uint64_t seed;
+	const char *json_path;   /* NULL: no JSON */
+	int timeout_ms;          /* longest wait for one reply */
+	unsigned kit_reuse;      /* jobs per kit before it is replaced; 0: never */
+};
+
+struct name_value {
+	const char *name;
+	int value;
+};
+
+static const struct name_value op_names[] = {
+	{"ln_fwd", NC_LAYERNORM_FWD},	     {"ln_bwd", NC_LAYERNORM_BWD},
+	{"rms_fwd", NC_RMSNORM_FWD},	     {"rms_bwd", NC_RMSNORM_BWD},
+	{"layernorm_fwd", NC_LAYERNORM_FWD}, {"layernorm_bwd", NC_LAYERNORM_BWD},
+	{"rmsnorm_fwd", NC_RMSNORM_FWD},     {"rmsnorm_bwd", NC_RMSNORM_BWD},
+};
+
+static const struct name_value dtype_names[] = {
+	{"f32", NC_F32}, {"f16", NC_F16}, {"bf16", NC_BF16},
+};
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+		"usage: normstress [--socket PATH] [--procs N] [--threads T] (--jobs J | --duration S)\n"
+		"                  [--ops ln_fwd,ln_bwd,rms_fwd,rms_bwd] [--dtypes f32,f16,bf16]\n"
+		"                  [--rows LIST|MIN-MAX] [--cols LIST|MIN-MAX] [--inflight K]\n"
+		"                  [--mode sync|event] [--verify FRACTION] [--seed S] [--json FILE]\n"
+		"                  [--kill-rate R] [--bad-rate R] [--timeout MS] [--kit-reuse N]\n"
+		"\n"
+		"  --socket PATH      the daemon's socket ($NORMD_SOCKET, else %s)\n"
+		"  --procs N          client processes (1)\n"
+		"  --threads T        threads per process, each with its own connection (1)\n"
+		"  --jobs J           stop after J requests in all\n"
+		"  --duration S       stop after S seconds (with --jobs: whichever comes first)\n"
+		"  --ops LIST         ops to mix (all four)\n"
+		"  --dtypes LIST      input dtypes to mix; f16/bf16 get f32 weights half the time (all)\n"
+		"  --rows, --cols     sizes: a list (1,7,256) or a range drawn log-uniformly (1-256, 1-4096)\n"
+		"  --inflight K       requests in flight per thread (4)\n"
+		"  --mode sync|event  completion mode; event needs the CUDA backend (sync)\n"
+		"  --verify FRACTION  fraction of results checked against the float64 reference (0.01)\n"
+		"  --seed S           seed of every random choice (1)\n"
+		"  --json FILE        write the summary as JSON too\n"
+		"  --kill-rate R      SIGKILL and restart each process R times per second on average (0)\n"
+		"  --bad-rate R       fraction of requests replaced by invalid ones (0)\n"
+		"  --timeout MS       longest wait for one reply before it counts as an error (30000)\n"
+		"  --kit-reuse N      jobs per region set before it is replaced; 0: never (100)\n"
+		"\n"
+		"Exit status: 0 if every valid job succeeded and verified and every invalid request\n"
+		"got its expected error; 1 otherwise; 2 for usage errors.\n",
+		DEFAULT_SOCKET);
+}
+
+static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out)
+{
+	char *end;
+	if (!s || *s < '0' || *s > '9')
+		return false;
+	errno = 0;
+	unsigned long long v = strtoull(s, &end, 10);
+	if (errno || *end || v < lo || v > hi)
+		return false;
+	*out = v;
+	return true;
+}
+
+static bool parse_double(const char *s, double lo, double hi, double *out)
+{
+	char *end;
+	errno = 0;
+	double v = strtod(s, &end);
+	if (errno || end == s || *end || !(v >= lo && v <= hi))
+		return false;
+	*out = v;
+	return true;
+}
+
+/* A comma-separated list of names from `table` into out[]. */
+static bool parse_names(const char *arg, const struct name_value *table, size_t n, int *out,
+			unsigned max, unsigned *count)
+{
+	char buf[256], *save = NULL;
+	if (snprintf(buf, sizeof(buf), "%s", arg) >= (int)sizeof(buf))
+		return false;
+	*count = 0;
+	for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+		size_t i = 0;
+		while (i < n && strcmp(tok, table[i].name) != 0)
+			i++;
+		if (i == n || *count == max)
+			return false;
+		out[(*count)++] = table[i].value;
+	}
+	return *count > 0;
+}
+
+/* "A-B" (a range) or "A,B,C" (a list). */
+static bool parse_sizes(const char *arg, struct size_choice *c)
+{
+	char buf[1024], *save = NULL;
+	if (snprintf(buf, sizeof(buf), "%s", arg) >= (int)sizeof(buf))
+		return false;
+	memset(c, 0, sizeof(*c));
+	char *dash = strchr(buf, '-');
+	if (dash) {
+		*dash = '\0';
+		return parse_u64(buf, 1, MAX_SIZE, &c->lo) &&
+		       parse_u64(dash + 1, c->lo, MAX_SIZE, &c->hi);
+	}
+	for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+		if (c->count == MAX_LIST || !parse_u64(tok, 1, MAX_SIZE, &c->values[c->count]))
+			return false;
+		c->count++;
+	}
+	return c->count > 0;
+}
+
+static void options_default(struct stress_opts *o)
+{
+	memset(o, 0, sizeof(*o));
+	o->socket_path = getenv("NORMD_SOCKET") ? getenv("NORMD_SOCKET") : DEFAULT_SOCKET;
+	o->procs = o->threads = 1;
+	o->inflight = 4;
+	for (unsigned i = 0; i < 4; i++)
+		o->ops[i] = op_names[i].value;
+	o->n_ops = 4;
+	for (unsigned i = 0; i < 3; i++)
+		o->dtypes[i] = dtype_names[i].value;
+	o->n_dtypes = 3;
+	o->rows.lo = 1;
+	o->rows.hi = 256;
+	o->cols.lo = 1;
+	o->cols.hi = 4096;
+	o->verify = 0.01;
+	o->seed = 1;
+	o->timeout_ms = 30000;
+	o->kit_reuse = 100;
+}
+
+static const struct option long_options[] = {
+	{"socket", required_argument, NULL, 's'},   {"procs", required_argument, NULL, 'p'},
+	{"threads", required_argument, NULL, 't'},  {"jobs", required_argument, NULL, 'j'},
+	{"duration", required_argument, NULL, 'd'}, {"ops", required_argument, NULL, 'o'},
+	{"dtypes", required_argument, NULL, 'D'},   {"rows", required_argument, NULL, 'r'},
+	{"cols", required_argument, NULL, 'c'},	    {"inflight", required_argument, NULL, 'k'},
+	{"mode", required_argument, NULL, 'm'},	    {"verify", required_argument, NULL, 'v'},
+	{"seed", required_argument, NULL, 'S'},	    {"json", required_argument, NULL, 'J'},
+	{"kill-rate", required_argument, NULL, 'K'}, {"bad-rate", required_argument, NULL, 'B'},
+	{"timeout", required_argument, NULL, 'T'},  {"kit-reuse", required_argument, NULL, 'R'},
+	{"help", no_argument, NULL, 'h'},	    {NULL, 0, NULL, 0},
+};
+
+/* One option's value; false if it is malformed or out of bounds. */
+static bool parse_one(struct stress_opts *o, int opt, const char *arg)
+{
+	uint64_t u = 0;
+	bool ok = true;
+	switch (opt) {
+	case 's':
+		o->socket_path = arg;
+		break;
+	case 'p':
+		ok = parse_u64(arg, 1, MAX_SLOTS, &u);
+		o->procs = (unsigned)u;
+		break;
+	case 't':
+		ok = parse_u64(arg, 1, MAX_SLOTS, &u);
+		o->threads = (unsigned)u;
+		break;
+	case 'j':
+		ok = parse_u64(arg, 1, UINT64_MAX / 2, &o->jobs);
+		break;
+	case 'd':
+		ok = parse_double(arg, 0.001, 1e7, &o->duration_s);
+		break;
+	case 'o':
+		ok = parse_names(arg, op_names, sizeof(op_names) / sizeof(op_names[0]), o->ops, 8,
+				 &o->n_ops);
+		break;
+	case 'D':
+		ok = parse_names(arg, dtype_names, sizeof(dtype_names) / sizeof(dtype_names[0]),
+				 o->dtypes, 8, &o->n_dtypes);
+		break;
+	case 'r':
+		ok = parse_sizes(arg, &o->rows);
+		break;
+	case 'c':
+		ok = parse_sizes(arg, &o->cols);
+		break;
+	case 'k':
+		ok = parse_u64(arg, 1, MAX_INFLIGHT, &u);
+		o->inflight = (unsigned)u;
+		break;
+	case 'm':
+		ok = !strcmp(arg, "sync") || !strcmp(arg, "event");
+		o->mode = !strcmp(arg, "event") ? MODE_EVENT : MODE_SYNC;
+		break;
+	case 'v':
+		ok = parse_double(arg, 0, 1, &o->verify);
+		break;
+	case 'S':
+		ok = parse_u64(arg, 0, UINT64_MAX, &o->seed);
+		break;
+	case 'J':
+		o->json_path = arg;
+		break;
+	case 'K':
+		ok = parse_double(arg, 0, 1000, &o->kill_rate);
+		break;
+	case 'B':
+		ok = parse_double(arg, 0, 1, &o->bad_rate);
+		break;
+	case 'T':
+		ok = parse_u64(arg, 1, 3600000, &u);
+		o->timeout_ms = (int)u;
+		break;
+	case 'R':
+		ok = parse_u64(arg, 0, UINT32_MAX, &u);
+		o->kit_reuse = (unsigned)u;
+		break;
+	}
+	return ok;
+}
+
+/* Returns 0 to run, 1 after --help, 2 for a usage error (already explained). */
+static int parse_options(int argc, char **argv, struct stress_opts *o)
+{
+	int opt, index = 0;
+	options_default(o);
+	while ((opt = getopt_long(argc, argv, "", long_options, &index)) != -1) {
+		if (opt == 'h') {
+			usage(stdout);
+			return 1;
+		}
+		if (opt == '?') {
+			usage(stderr);
+			return 2;
+		}
+		if (!parse_one(o, opt, optarg)) {
+			fprintf(stderr, "normstress: bad value for --%s: %s\n",
+				long_options[index].name, optarg);
+			return 2;
+		}
+	}
+	if (optind < argc) {
+		fprintf(stderr, "normstress: unexpected argument: %s\n", argv[optind]);
+		return 2;
+	}
+	if (!o->jobs && o->duration_s == 0) {
+		fprintf(stderr, "normstress: give --jobs J or --duration S (or both)\n");
+		return 2;
+	}
+	if ((uint64_t)o->procs * o->threads > MAX_SLOTS) {
+		fprintf(stderr, "normstress: --procs x --threads must be at most %d\n", MAX_SLOTS);
+		return 2;
+	}
+	return 0;
+}
+
+/* ---- time and random numbers ---------------------------------------------------- */
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_ns(uint64_t ns)
+{
+	struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+	nanosleep(&ts, NULL);
+}
+
+/* splitmix64: small, seedable, and every thread gets its own stream. */
+static uint64_t rng_next(uint64_t *state)
+{
+	uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+/* Uniform in [0, 1). */
+static double rng_unit(uint64_t *state)
+{
+	return (double)(rng_next(state) >> 11) * 0x1.0p-53;
+}
+
+static uint64_t rng_below(uint64_t *state, uint64_t n)
+{
+	return n ? rng_next(state) % n : 0;
+}
+
+static uint64_t size_pick(const struct size_choice *c, uint64_t *state)
+{
+	if (c->count)
+		return c->values[rng_below(state, c->count)];
+	/* Log-uniform: every octave of the range is drawn equally often. */
+	double lo = log((double)c->lo), hi = log((double)c->hi + 1.0);
+	uint64_t v = (uint64_t)exp(lo + (hi - lo) * rng_unit(state));
+	return v < c->lo ? c->lo : v > c->hi ? c->hi : v;
+}
+
+/* ---- latency histogram ----------------------------------------------------------- */
+
+/*
+ * Log-linear buckets over nanoseconds: exact below 64 ns, then 32 buckets per
+ * power of two (about 3% resolution), up to ~2^40 ns (18 minutes); anything
+ * longer lands in the last bucket. The exact maximum is kept separately.
+ */
+#define HIST_SUB_BITS 5
+#define HIST_SUB (1u << HIST_SUB_BITS)
+#define HIST_BUCKETS (2 * HIST_SUB + 34 * HIST_SUB)
+
+static unsigned hist_index(uint64_t ns)
+{
+	if (ns < 2 * HIST_SUB)
+		return (unsigned)ns;
+	unsigned msb = 63u - (unsigned)__builtin_clzll(ns);
+	unsigned shift = msb - HIST_SUB_BITS;
+	uint64_t idx = 2 * HIST_SUB + (uint64_t)(shift - 1) * HIST_SUB + ((ns >> shift) - HIST_SUB);
+	return idx < HIST_BUCKETS ? (unsigned)idx : HIST_BUCKETS - 1;
+}
+
+/* The largest value that falls into bucket `idx`. */
+static uint64_t hist_upper(unsigned idx)
+{
+	if (idx < 2 * HIST_SUB)
+		return idx;
+	unsigned shift = (idx - 2 * HIST_SUB) / HIST_SUB + 1;
+	uint64_t mantissa = (idx - 2 * HIST_SUB) % HIST_SUB + HIST_SUB;
+	return ((mantissa + 1) << shift) - 1;
+}
+
+/* ---- counters shared by all processes ----------------------------------------------- */
+
+enum counter {
+	C_JOBS_OK,      /* valid jobs answered OK */
+	C_BYTES,        /* bytes those jobs read and wrote */
+	C_VERIFIED,     /* of them, checked against the reference */
+	C_MISMATCHES,   /* checked and wrong */
+	C_BAD_SENT,     /* invalid requests sent */
+	C_BAD_EXPECTED, /* invalid requests answered with the status they had to get */
+	C_UNEXPECTED,   /* anything that should not have happened */
+	C_IN_FLIGHT,    /* requests sent and not answered yet (lost if the process is killed) */
+	C_KITS,         /* kits (registered regions) created */
+	C_COUNTERS
+};
+
+/* Wire statuses 0..10, the library's codes 100..102 at 11..13, anything else at 15. */
+#define STATUS_SLOTS 16
+
+/* One thread's counters. Written by that thread only; read by the parent. */
+struct slot {
+	_Atomic uint64_t count[C_COUNTERS];
+	_Atomic uint64_t valid_status[STATUS_SLOTS]; /* how valid jobs failed */
+	_Atomic uint64_t bad_status[STATUS_SLOTS];   /* how invalid requests were answered */
+	_Atomic uint64_t max_ns;                     /* slowest valid job */
+	_Atomic uint64_t hist[HIST_BUCKETS];         /* latencies of valid jobs answered OK */
+};
+
+/* The shared anonymous mapping, made before the first fork. */
+struct shared {
+	atomic_bool stop;         /* set by the parent: finish what is in flight, then exit */
+	_Atomic uint64_t tickets; /* requests claimed so far, against --jobs */
+	struct slot slots[];      /* procs x threads */
+};
+
+static void slot_add(struct slot *s, enum counter c, uint64_t n)
+{
+	atomic_fetch_add_explicit(&s->count[c], n, memory_order_relaxed);
+}
+
+static unsigned status_slot(int status)
+{
+	int v = -status;
+	if (v >= 0 && v <= 10)
+		return (unsigned)v;
+	if (v >= 100 && v <= 102)
+		return (unsigned)(11 + v - 100);
+	return STATUS_SLOTS - 1;
+}
+
+static const char *status_slot_name(unsigned i)
+{
+	if (i <= 10)
+		return nc_status_name(-(int)i);
+	if (i <= 13)
+		return nc_status_name(-(int)(100 + i - 11));
+	return "OTHER";
+}
+
+static void slot_status(_Atomic uint64_t *by_status, int status)
+{
+	atomic_fetch_add_explicit(&by_status[status_slot(status)], 1, memory_order_relaxed);
+}
+
+static void slot_latency(struct slot *s, uint64_t ns)
+{
+	atomic_fetch_add_explicit(&s->hist[hist_index(ns)], 1, memory_order_relaxed);
+	if (ns > atomic_load_explicit(&s->max_ns, memory_order_relaxed))
+		atomic_store_explicit(&s->max_ns, ns, memory_order_relaxed);
+}
+
+/* ---- kits: a job's memory, where it lives, and its check ------------------------------ */
+
+/*
+ * On the CPU backend a kit is a jobkit: one host memfd region holding every
+ * tensor. The CUDA backend will add device regions here (allocate, upload
+ * inputs, download outputs before the check); the worker only calls kit_*().
+ */
+struct kit {
+	struct jobkit jk;
+	bool busy;      /* a request naming its memory is in flight */
+	unsigned uses;  /* jobs submitted on it since it was created */
+	uint64_t bytes; /* bytes a job on it reads and writes */
+};
+
+static bool op_is_backward(int op)
+{
+	return op == NC_LAYERNORM_BWD || op == NC_RMSNORM_BWD;
+}
+
+/* Whether jobkit role `role` is written by `op`. */
+static bool role_is_output(int op, int role)
+{
+	if (op_is_backward(op))
+		return role == JK_DX || role == JK_DGAMMA || role == JK_DBETA;
+	return role == JK_Y || role == JK_MEAN || role == JK_RSTD;
+}
+
+static void kit_random_spec(const struct stress_opts *o, uint64_t *rng, struct jobkit_spec *s)
+{
+	memset(s, 0, sizeof(*s));
+	s->op = (enum nc_op)o->ops[rng_below(rng, o->n_ops)];
+	s->rows = size_pick(&o->rows, rng);
+	s->cols = size_pick(&o->cols, rng);
+	s->dtype = (enum nc_dtype)o->dtypes[rng_below(rng, o->n_dtypes)];
+	/* Half-precision inputs get fp32 weights (apex's mixed variants) half the time. */
+	if (s->dtype != NC_F32 && (rng_next(rng) & 1))
+		s->weight_dtype = NC_F32;
+	s->gamma = rng_below(rng, 4) != 0;
+	s->beta = s->gamma && (rng_next(rng) & 1);
+	/* jobkit drops the backward-only flags on forward ops. */
+	s->memory_efficient = rng_next(rng) & 1;
+	s->accumulate = rng_below(rng, 4) == 0;
+	s->seed = rng_next(rng);
+}
+
+static int kit_create(nc_conn *conn, const struct stress_opts *o, uint64_t *rng, struct kit *k)
+{
+	struct jobkit_spec spec;
+	kit_random_spec(o, rng, &spec);
+	memset(k, 0, sizeof(*k));
+	int rc = jobkit_create(conn, &spec, &k->jk);
+	if (rc)
+		return rc;
+	for (int role = 0; role < ROLES; role++)
+		k->bytes += k->jk.bytes[role];
+	return 0;
+}
+
+/* Frees the kit's region; accepts a kit that was never created. */
+static void kit_destroy(struct kit *k)
+{
+	jobkit_destroy(&k->jk);
+	memset(k, 0, sizeof(*k));
+}
+
+/*
+ * Makes a kit ready for its next job: accumulated dgamma/dbeta go back to
+ * their initial values (the reference starts from those), and when the
+ * result will be verified every other output is poisoned (NaN), so an
+ * output the daemon failed to write cannot pass with the previous values.
+ */
+static void kit_rearm(struct kit *k, bool verify)
+{
+	struct jobkit *jk = &k->jk;
+	for (int role = 0; role < ROLES; role++) {
+		if (!jk->ptr[role] || !role_is_output(jk->spec.op, role))
+			continue;
+		if (jk->initial[role])
+			memcpy(jk->ptr[role], jk->initial[role], jk->bytes[role]);
+		else if (verify)
+			memset(jk->ptr[role], 0xff, jk->bytes[role]);
+	}
+}
+
+static bool kit_check(const struct kit *k, struct jobkit_report *report)
+{
+	return jobkit_check(&k->jk, report);
+}
+
+/* "ln_bwd 37x1000 bf16/f32 gamma beta mem_eff acc" */
+static void kit_describe(const struct kit *k, char *buf, size_t len)
+{
+	const struct jobkit_spec *s = &k->jk.spec;
+	const char *op = "?";
+	for (size_t i = 0; i < 4; i++) {
+		if (op_names[i].value == (int)s->op)
+			op = op_names[i].name;
+	}
+	snprintf(buf, len, "%s %llux%llu %s/%s%s%s%s%s", op, (unsigned long long)s->rows,
+		 (unsigned long long)s->cols, jobkit_dtype_name(s->dtype),
+		 jobkit_dtype_name(s->weight_dtype ? s->weight_dtype : s->dtype),
+		 s->gamma ? " gamma" : "", s->beta ? " beta" : "",
+		 s->memory_efficient ? " mem_eff" : "", s->accumulate ? " acc" : "");
+}
+
+/* ---- invalid requests ---------------------------------------------------------------- */
+
+enum bad_kind {
+	BAD_OP,
+	BAD_DTYPE,
+	BAD_WEIGHT_DTYPE,
+	BAD_ROWS,
+	BAD_COLS,
+	BAD_COLS_HUGE,
+	BAD_SHAPE_OVERFLOW,
+	BAD_EPS,
+	BAD_REGION,
+	BAD_OFFSET,
+	BAD_OFFSET_OVERFLOW,
+	BAD_MISSING_TENSOR,
+	BAD_STRAY_TENSOR,
+	BAD_FORWARD_FLAG,
+	BAD_BETA_ALONE,
+	BAD_KINDS
+};
+
+/* What each kind of invalid request is and the status it must get. */
+static const struct {
+	const char *name;
+	int expect;
+} bad_cases[BAD_KINDS] = {
+	[BAD_OP] = {"unknown op", NC_EINVALID_ARGUMENT},
+	[BAD_DTYPE] = {"unknown dtype", NC_EINVALID_ARGUMENT},
+	[BAD_WEIGHT_DTYPE] = {"weight dtype neither dtype nor f32", NC_EUNSUPPORTED},
+	[BAD_ROWS] = {"rows = 0", NC_EINVALID_ARGUMENT},
+	[BAD_COLS] = {"cols = 0", NC_EINVALID_ARGUMENT},
+	[BAD_COLS_HUGE] = {"cols = 2^40", NC_EOUT_OF_RANGE},
+	[BAD_SHAPE_OVERFLOW] = {"rows * cols overflows", NC_EOUT_OF_RANGE},
+	[BAD_EPS] = {"eps <= 0, infinite or NaN", NC_EINVALID_ARGUMENT},
+	[BAD_REGION] = {"unregistered region", NC_ENOT_FOUND},
+	[BAD_OFFSET] = {"tensor runs past its region", NC_EOUT_OF_RANGE},
+	[BAD_OFFSET_OVERFLOW] = {"offset + size overflows", NC_EOUT_OF_RANGE},
+	[BAD_MISSING_TENSOR] = {"x absent", NC_EINVALID_ARGUMENT},
+	[BAD_STRAY_TENSOR] = {"tensor the op does not use", NC_EINVALID_ARGUMENT},
+	[BAD_FORWARD_FLAG] = {"backward flag on a forward op", NC_EINVALID_ARGUMENT},
+	[BAD_BETA_ALONE] = {"beta without gamma", NC_EINVALID_ARGUMENT},
+};
+
+static struct nc_tensor *job_tensor(struct nc_job *job, int role)
+{
+	struct nc_tensor *const tensors[ROLES] = {
+		&job->x, &job->y, &job->mean, &job->rstd, &job->gamma,
+		&job->beta, &job->dy, &job->dx, &job->dgamma, &job->dbeta,
+	};
+	return tensors[role];
+}
+
+/* A random role the kit's job uses (x at least). */
+static int random_present_role(const struct kit *k, uint64_t *rng)
+{
+	int start = (int)rng_below(rng, ROLES);
+	for (int i = 0; i < ROLES; i++) {
+		int role = (start + i) % ROLES;
+		if (k->jk.ptr[role])
+			return role;
+	}
+	return JK_X;
+}
+
+/* The tensor faults: region and offset. */
+static void bad_tensor(const struct kit *k, uint64_t *rng, int kind, struct nc_job *job)
+{
+	int role = random_present_role(k, rng);
+	struct nc_tensor *t = job_tensor(job, role);
+	uint64_t size = nc_region_size(k->jk.region), bytes = k->jk.bytes[role];
+	if (kind == BAD_REGION)
+		t->region = UINT64_MAX - rng_below(rng, 1024); /* ids are handed out from 1 up */
+	else if (kind == BAD_OFFSET)
+		t->offset = size - bytes + 1 + rng_below(rng, bytes); /* ends 1..bytes past the end */
+	else
+		t->offset = UINT64_MAX - rng_below(rng, 64);
+}
+
+/*
+ * Turns `job`, a copy of the kit's valid job, into an invalid request of one
+ * kind with exactly one fault. Returns false (job untouched) if that kind
+ * does not apply to this kit.
+ */
+static bool bad_apply(const struct kit *k, uint64_t *rng, int kind, struct nc_job *job)
+{
+	static const float bad_eps[] = {-1e-5f, -1.0f, INFINITY, NAN};
+	bool forward = !op_is_backward(job->op);
+	switch (kind) {
+	case BAD_OP:
+		job->op = (enum nc_op)(rng_next(rng) & 1 ? 0 : 77);
+		return true;
+	case BAD_DTYPE:
+		job->dtype = (enum nc_dtype)(4 + rng_below(rng, 60));
+		return true;
+	case BAD_WEIGHT_DTYPE:
+		job->weight_dtype = job->dtype == NC_F16 ? NC_BF16 : NC_F16;
+		return true;
+	case BAD_ROWS:
+		job->rows = 0;
+		return true;
+	case BAD_COLS:
+		job->cols = 0;
+		return true;
+	case BAD_COLS_HUGE:
+		job->cols = 1ull << 40;
+		return true;
+	case BAD_SHAPE_OVERFLOW:
+		job->rows = 1ull << 62;
+		return true;
+	case BAD_EPS:
+		job->eps = bad_eps[rng_below(rng, 4)];
+		return true;
+	case BAD_REGION:
+	case BAD_OFFSET:
+	case BAD_OFFSET_OVERFLOW:
+		bad_tensor(k, rng, kind, job);
+		return true;
+	case BAD_MISSING_TENSOR:
+		job->x.region = 0;
+		return true;
+	case BAD_STRAY_TENSOR:
+		*(forward ? &job->dx : &job->y) = job->x;
+		return true;
+	case BAD_FORWARD_FLAG:
+		if (!forward)
+			return false;
+		job->flags |= rng_next(rng) & 1 ? NC_MEMORY_EFFICIENT : NC_ACCUMULATE;
+		return true;
+	case BAD_BETA_ALONE:
+		if (!job->beta.region)
+			return false;
+		job->gamma.region = job->dgamma.region = 0;
+		return true;
+	}
+	return false;
+}
+
+/* ---- a client thread ------------------------------------------------------------------ */
+
+/* One request in flight. */
+struct flight {
+	bool active;
+	uint64_t request_id;
+	unsigned kit;   /* index into the worker's kits */
+	int bad_kind;   /* enum bad_kind, or -1 for a valid job */
+	bool verify;    /* check the result against the reference */
+	uint64_t t0_ns; /* when it was submitted */
+};
+
+struct worker {
+	const struct stress_opts *opt;
+	struct shared *sh;
+	struct slot *slot;       /* this thread's counters */
+	unsigned proc, thread;
+	uint64_t rng;
+	nc_conn *conn;
+	struct kit *kits;
+	unsigned n_kits;         /* more than opt->inflight, so one is always idle */
+	struct flight *flights;  /* opt->inflight entries */
+	unsigned in_flight;
+	unsigned details;        /* failure lines printed so far */
+	bool broken;             /* the connection cannot be trusted any more */
+};
+
+/* Prints one failure line (the first few per thread). */
+static void worker_say(struct worker *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void worker_say(struct worker *w, const char *fmt, ...)
+{
+	char line[512];
+	va_list ap;
+	if (w->details++ >= DETAIL_LINES)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(line, sizeof(line), fmt, ap);
+	va_end(ap);
+	fprintf(stderr, "normstress: process %u thread %u: %s\n", w->proc, w->thread, line);
+}
+
+/* Something went wrong that is nobody's intention: a valid job failed, a call broke. */
+static void worker_unexpected(struct worker *w, int status)
+{
+	slot_add(w->slot, C_UNEXPECTED, 1);
+	slot_status(w->slot->valid_status, status);
+}
+
+static bool worker_claim(struct worker *w)
+{
+	if (atomic_load_explicit(&w->sh->stop, memory_order_relaxed))
+		return false;
+	return !w->opt->jobs || atomic_fetch_add(&w->sh->tickets, 1) < w->opt->jobs;
+}
+
+static unsigned worker_idle_kit(struct worker *w)
+{
+	unsigned start = (unsigned)rng_below(&w->rng, w->n_kits);
+	for (unsigned i = 0; i < w->n_kits; i++) {
+		unsigned k = (start + i) % w->n_kits;
+		if (!w->kits[k].busy)
+			return k;
+	}
+	return start; /* not reached: the pool outnumbers the flights */
+}
+
+static int worker_new_kit(struct worker *w, struct kit *k)
+{
+	int rc = kit_create(w->conn, w->opt, &w->rng, k);
+	if (rc) {
+		worker_unexpected(w, rc);
+		worker_say(w, "creating a region: %s: %s", nc_status_name(rc), nc_last_error());
+		w->broken = true;
+		return rc;
+	}
+	slot_add(w->slot, C_KITS, 1);
+	return 0;
+}
+
+/* Replaces a kit that has run its share of jobs (unregister under load, register anew). */
+static int worker_refresh_kit(struct worker *w, struct kit *k)
+{
+	if (!w->opt->kit_reuse || k->uses < w->opt->kit_reuse)
+		return 0;
+	kit_destroy(k);
+	return worker_new_kit(w, k);
+}
+
+/* Fills `job` with the request to send on kit `k` and describes it in `f`. */
+static void worker_prepare(struct worker *w, struct kit *k, struct flight *f, struct nc_job *job)
+{
+	*job = k->jk.job;
+	f->bad_kind = -1;
+	f->verify = false;
+	if (w->opt->bad_rate > 0 && rng_unit(&w->rng) < w->opt->bad_rate) {
+		int kind = (int)rng_below(&w->rng, BAD_KINDS);
+		if (!bad_apply(k, &w->rng, kind, job)) {
+			kind = BAD_ROWS;
+			bad_apply(k, &w->rng, kind, job);
+		}
+		f->bad_kind = kind;
+		return;
+	}
+	f->verify = w->opt->verify > 0 && rng_unit(&w->rng) < w->opt->verify;
+	kit_rearm(k, f->verify);
+}
+
+static void worker_submit(struct worker *w, struct flight *f)
+{
+	unsigned index = worker_idle_kit(w);
+	struct kit *k = &w->kits[index];
+	struct nc_job job;
+	if (worker_refresh_kit(w, k))
+		return;
+	worker_prepare(w, k, f, &job);
+	f->kit = index;
+	f->t0_ns = now_ns();
+	int rc = nc_job_submit(w->conn, &job, &f->request_id);
+	if (rc) {
+		worker_unexpected(w, rc);
+		worker_say(w, "submit: %s: %s", nc_status_name(rc), nc_last_error());
+		w->broken = true;
+		return;
+	}
+	f->active = k->busy = true;
+	k->uses++;
+	w->in_flight++;
+	slot_add(w->slot, C_IN_FLIGHT, 1);
+	if (f->bad_kind >= 0)
+		slot_add(w->slot, C_BAD_SENT, 1);
+}
+
+static void worker_verify(struct worker *w, const struct kit *k)
+{
+	struct jobkit_report report;
+	char what[128];
+	slot_add(w->slot, C_VERIFIED, 1);
+	if (kit_check(k, &report))
+		return;
+	slot_add(w->slot, C_MISMATCHES, 1);
+	kit_describe(k, what, sizeof(what));
+	worker_say(w, "MISMATCH on %s: %s", what, report.detail);
+}
+
+/* An invalid request was answered: it must have the status its fault calls for. */
+static void worker_bad_answered(struct worker *w, const struct flight *f, int rc,
+				const struct nc_job_result *res)
+{
+	int expect = bad_cases[f->bad_kind].expect;
+	slot_status(w->slot->bad_status, rc);
+	if (rc == expect) {
+		slot_add(w->slot, C_BAD_EXPECTED, 1);
+		return;
+	}
+	char what[128];
+	slot_add(w->slot, C_UNEXPECTED, 1);
+	kit_describe(&w->kits[f->kit], what, sizeof(what));
+	worker_say(w, "invalid request (%s) on %s got %s, expected %s: %s",
+		   bad_cases[f->bad_kind].name, what, nc_status_name(rc), nc_status_name(expect),
+		   rc ? res->message : "it ran");
+}
+
+static void worker_complete(struct worker *w, struct flight *f, int rc,
+			    const struct nc_job_result *res)
+{
+	uint64_t ns = now_ns() - f->t0_ns;
+	struct kit *k = &w->kits[f->kit];
+	f->active = k->busy = false;
+	w->in_flight--;
+	atomic_fetch_sub_explicit(&w->slot->count[C_IN_FLIGHT], 1, memory_order_relaxed);
+	if (f->bad_kind >= 0) {
+		worker_bad_answered(w, f, rc, res);
+		return;
+	}
+	if (rc != NC_OK) {
+		char what[128];
+		worker_unexpected(w, rc);
+		kit_describe(k, what, sizeof(what));
+		worker_say(w, "valid job %s failed: %s: %s", what, nc_status_name(rc), res->message);
+		return;
+	}
+	slot_add(w->slot, C_JOBS_OK, 1);
+	slot_add(w->slot, C_BYTES, k->bytes);
+	slot_latency(w->slot, ns);
+	if (f->verify)
+		worker_verify(w, k);
+}
+
+/* Transport failures of nc_job_wait (as opposed to a job's own status). */
+static bool wait_failed(int rc)
+{
+	return rc == NC_EIO || rc == NC_ETIMEOUT || rc == NC_ENOMEM;
+}
+
+/*
+ * Waits for the oldest request in flight, then takes every other reply that
+ * has already arrived (without blocking), so a job that overtook the oldest
+ * one is counted when it came back rather than when its turn came.
+ */
+static void worker_collect(struct worker *w)
+{
+	struct flight *oldest = NULL;
+	struct nc_job_result res;
+	for (unsigned i = 0; i < w->opt->inflight; i++) {
+		struct flight *f = &w->flights[i];
+		if (f->active && (!oldest || f->t0_ns < oldest->t0_ns))
+			oldest = f;
+	}
+	int rc = nc_job_wait(w->conn, oldest->request_id, w->opt->timeout_ms, &res);
+	if (wait_failed(rc)) {
+		worker_unexpected(w, rc);
+		worker_say(w, "waiting for a reply: %s: %s", nc_status_name(rc), res.message);
+		w->broken = true;
+		return;
+	}
+	worker_complete(w, oldest, rc, &res);
+	for (unsigned i = 0; i < w->opt->inflight && !w->broken; i++) {
+		struct flight *f = &w->flights[i];
+		if (!f->active)
+			continue;
+		rc = nc_job_wait(w->conn, f->request_id, 0, &res);
+		if (rc == NC_ETIMEOUT)
+			continue;
+		if (wait_failed(rc)) {
+			worker_unexpected(w, rc);
+			worker_say(w, "reading replies: %s: %s", nc_status_name(rc), res.message);
+			w->broken = true;
+			return;
+		}
+		worker_complete(w, f, rc, &res);
+	}
+}
+
+static struct flight *worker_free_flight(struct worker *w)
+{
+	for (unsigned i = 0; i < w->opt->inflight; i++) {
+		if (!w->flights[i].active)
+			return &w->flights[i];
+	}
+	return NULL;
+}
+
+/* Keeps the window full until the run ends, then drains it. */
+static void worker_run(struct worker *w)
+{
+	for (;;) {
+		while (!w->broken && w->in_flight < w->opt->inflight && worker_claim(w))
+			worker_submit(w, worker_free_flight(w));
+		if (w->broken || w->in_flight == 0)
+			return;
+		worker_collect(w);
+	}
+}
+
+static void *worker_main(void *arg)
+{
+	struct worker *w = arg;
+	const struct stress_opts *o = w->opt;
+	char name[64];
+	snprintf(name, sizeof(name), "normstress-p%u-t%u", w->proc, w->thread);
+	int rc = nc_connect(o->socket_path, name, o->timeout_ms, &w->conn);
+	if (rc) {
+		worker_unexpected(w, rc);
+		worker_say(w, "connect: %s", nc_last_error());
+		w->broken = true;
+		return NULL;
+	}
+	w->n_kits = o->inflight + 2 < 6 ? 6 : o->inflight + 2;
+	w->kits = calloc(w->n_kits, sizeof(*w->kits));
+	w->flights = calloc(o->inflight, sizeof(*w->flights));
+	if (!w->kits || !w->flights) {
+		worker_unexpected(w, NC_ENOMEM);
+		w->broken = true;
+	}
+	for (unsigned i = 0; i < w->n_kits && !w->broken; i++)
+		worker_new_kit(w, &w->kits[i]);
+	if (!w->broken)
+		worker_run(w);
+	/*
+	 * A broken connection (a reply that never came, a lost daemon) is left
+	 * as it is: the process exits right after, which releases everything.
+	 */
+	if (w->broken)
+		return NULL;
+	for (unsigned i = 0; i < w->n_kits; i++)
+		kit_destroy(&w->kits[i]);
+	nc_close(w->conn);
+	free(w->kits);
+	free(w->flights);
+	return NULL;
+}
+
+/* ---- a client process ---------------------------------------------------------------- */
+
+/* Runs in the forked child; its return value is the child's exit status. */
+static int child_main(const struct stress_opts *o, struct shared *sh, pid_t parent,
+		      unsigned proc, unsigned generation)
+{
+	/* Die with the parent, and leave SIGINT (a terminal's ^C) to it. */
+	if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent)
+		return 1;
+	signal(SIGINT, SIG_IGN);
+	signal(SIGTERM, SIG_DFL);
+	struct worker *workers = calloc(o->threads, sizeof(*workers));
+	pthread_t *tids = calloc(o->threads, sizeof(*tids));
+	if (!workers || !tids)
+		return 1;
+	int status = 0;
+	for (unsigned t = 0; t < o->threads; t++) {
+		struct worker *w = &workers[t];
+		w->opt = o;
+		w->sh = sh;
+		w->slot = &sh->slots[proc * o->threads + t];
+		w->proc = proc;
+		w->thread = t;
+		w->rng = o->seed ^ (((uint64_t)proc << 40) | ((uint64_t)t << 20) | generation);
+		rng_next(&w->rng);
+		if (pthread_create(&tids[t], NULL, worker_main, w) != 0) {
+			tids[t] = 0;
+			status = 1;
+		}
+	}
+	for (unsigned t = 0; t < o->threads; t++) {
+		if (tids[t])
+			pthread_join(tids[t], NULL);
+		if (workers[t].broken)
+			status = 1;
+	}
+	free(workers);
+	free(tids);
+	return status;
+}
+
+/* ---- the parent: processes, chaos, progress ------------------------------------------- */
+
+struct child {
+	pid_t pid;             /* 0: not running */
+	unsigned generation;   /* times it was started */
+	uint64_t next_kill_ns; /* when chaos kills it next */
+	bool killed;           /* chaos sent it SIGKILL */
+	bool hung;             /* killed for not finishing after the stop */
+};
+
+struct stress {
+	struct stress_opts opt;
+	struct shared *sh;
+	size_t sh_bytes;
+	pid_t parent_pid;
+	struct child *children;
+	uint64_t rng;              /* the parent's: kill times */
+	uint64_t t_start_ns, t_stop_ns, t_end_ns;
+	bool stopping;
+	unsigned kills;            /* children killed on purpose */
+	unsigned child_failures;   /* children that crashed, failed or hung */
+	uint64_t lost;             /* requests in flight in killed children */
+	bool tty;                  /* stderr is a terminal: show progress */
+	uint64_t last_progress_ns, last_progress_jobs;
+	char backend[16];
+	struct nc_stats before, after;
+	bool have_before, have_after;
+};
+
+static volatile sig_atomic_t interrupted;
+
+static void on_interrupt(int sig)
+{
+	(void)sig;
+	interrupted = 1;
+}
+
+static uint64_t next_kill_time(struct stress *st)
+{
+	if (st->opt.kill_rate <= 0)
+		return UINT64_MAX;
+	/* Exponential gaps: kills at random moments, R per second on average. */
+	double gap_s = -log(1.0 - rng_unit(&st->rng)) / st->opt.kill_rate;
+	return now_ns() + (uint64_t)(gap_s * 1e9);
+}
+
+static int child_start(struct stress *st, unsigned proc)
+{
+	struct child *c = &st->children[proc];
+	fflush(stdout);
+	fflush(stderr);
+	pid_t pid = fork();
+	if (pid < 0) {
+		fprintf(stderr, "normstress: fork: %s\n", strerror(errno));
+		st->child_failures++;
+		return -1;
+	}
+	if (pid == 0)
+		_exit(child_main(&st->opt, st->sh, st->parent_pid, proc, c->generation));
+	c->pid = pid;
+	c->generation++;
+	c->killed = c->hung = false;
+	c->next_kill_ns = next_kill_time(st);
+	return 0;
+}
+
+/* True once no new requests may start: stop was asked for or --jobs is used up. */
+static bool run_over(const struct stress *st)
+{
+	return st->stopping ||
+	       (st->opt.jobs && atomic_load(&st->sh->tickets) >= st->opt.jobs);
+}
+
+/* A killed child's requests in flight are lost; count them and clear its slots. */
+static void child_count_lost(struct stress *st, unsigned proc)
+{
+	for (unsigned t = 0; t < st->opt.threads; t++) {
+		struct slot *s = &st->sh->slots[proc * st->opt.threads + t];
+		st->lost += atomic_exchange(&s->count[C_IN_FLIGHT], 0);
+	}
+}
+
+static void child_exited(struct stress *st, unsigned proc, int status)
+{
+	struct child *c = &st->children[proc];
+	pid_t pid = c->pid;
+	c->pid = 0;
+	if (c->killed && !c->hung && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) {
+		st->kills++;
+		child_count_lost(st, proc);
+		if (!run_over(st))
+			child_start(st, proc);
+		return;
+	}
+	if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
+		return;
+	st->child_failures++;
+	if (WIFSIGNALED(status))
+		fprintf(stderr, "normstress: client process %u (pid %d) died of signal %d\n", proc,
+			(int)pid, WTERMSIG(status));
+	else
+		fprintf(stderr, "normstress: client process %u (pid %d) exited with status %d\n",
+			proc, (int)pid, WEXITSTATUS(status));
+}
+
+static void parent_reap(struct stress *st)
+{
+	int status;
+	pid_t pid;
+	while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+		for (unsigned p = 0; p < st->opt.procs; p++) {
+			if (st->children[p].pid == pid)
+				child_exited(st, p, status);
+		}
+	}
+}
+
+static void parent_chaos(struct stress *st, uint64_t now)
+{
+	for (unsigned p = 0; p < st->opt.procs; p++) {
+		struct child *c = &st->children[p];
+		if (c->pid > 0 && !c->killed && now >= c->next_kill_ns) {
+			kill(c->pid, SIGKILL);
+			c->killed = true;
+		}
+	}
+}
+
+/* After stop, children get one reply timeout plus a margin to drain; then they are killed. */
+static void parent_kill_hung(struct stress *st, uint64_t now)
+{
+	uint64_t grace = (uint64_t)st->opt.timeout_ms * 1000000ull + 10000000000ull;
+	if (!st->stopping || now < st->t_stop_ns + grace)
+		return;
+	for (unsigned p = 0; p < st->opt.procs; p++) {
+		struct child *c = &st->children[p];
+		if (c->pid > 0 && !c->hung) {
+			fprintf(stderr, "normstress: client process %u did not finish; killing it\n",
+				p);
+			kill(c->pid, SIGKILL); /* a failure, not chaos */
+			c->hung = true;
+		}
+	}
+}
+
+static unsigned children_running(const struct stress *st)
+{
+	unsigned n = 0;
+	for (unsigned p = 0; p < st->opt.procs; p++)
+		n += st->children[p].pid > 0;
+	return n;
+}
+
+static uint64_t next_wakeup(const struct stress *st, uint64_t now)
+{
+	uint64_t wake = now + TICK_NS;
+	for (unsigned p = 0; !st->stopping && p < st->opt.procs; p++) {
+		const struct child *c = &st->children[p];
+		if (c->pid > 0 && !c->killed && c->next_kill_ns < wake)
+			wake = c->next_kill_ns;
+	}
+	return wake;
+}
+
+/* ---- merging and reporting -------------------------------------------------------------- */
+
+struct totals {
+	uint64_t count[C_COUNTERS];
+	uint64_t valid_status[STATUS_SLOTS];
+	uint64_t bad_status[STATUS_SLOTS];
+	uint64_t max_ns;
+	uint64_t hist[HIST_BUCKETS];
+	uint64_t hist_total;
+};
+
+static void totals_merge(const struct stress *st, struct totals *t)
+{
+	memset(t, 0, sizeof(*t));
+	for (unsigned i = 0; i < st->opt.procs * st->opt.threads; i++) {
+		struct slot *s = &st->sh->slots[i];
+		for (int c = 0; c < C_COUNTERS; c++)
+			t->count[c] += atomic_load_explicit(&s->count[c], memory_order_relaxed);
+		for (int j = 0; j < STATUS_SLOTS; j++) {
+			t->valid_status[j] += atomic_load_explicit(&s->valid_status[j],
+								   memory_order_relaxed);
+			t->bad_status[j] += atomic_load_explicit(&s->bad_status[j],
+								 memory_order_relaxed);
+		}
+		uint64_t max = atomic_load_explicit(&s->max_ns, memory_order_relaxed);
+		t->max_ns = max > t->max_ns ? max : t->max_ns;
+		for (unsigned b = 0; b < HIST_BUCKETS; b++)
+			t->hist[b] += atomic_load_explicit(&s->hist[b], memory_order_relaxed);
+	}
+	for (unsigned b = 0; b < HIST_BUCKETS; b++)
+		t->hist_total += t->hist[b];
+}
+
+/* The latency at quantile q in microseconds (bucket upper bound, at most the maximum). */
+static double totals_quantile_us(const struct totals *t, double q)
+{
+	if (!t->hist_total)
+		return 0;
+	uint64_t rank = (uint64_t)ceil(q * (double)t->hist_total), seen = 0;
+	rank = rank < 1 ? 1 : rank;
+	for (unsigned b = 0; b < HIST_BUCKETS; b++) {
+		seen += t->hist[b];
+		if (seen >= rank) {
+			uint64_t v = hist_upper(b);
+			return (double)(v < t->max_ns ? v : t->max_ns) / 1e3;
+		}
+	}
+	return (double)t->max_ns / 1e3;
+}
+
+static void parent_progress(struct stress *st, uint64_t now)
+{
+	if (!st->tty || now < st->last_progress_ns + PROGRESS_NS)
+		return;
+	struct totals *t = malloc(sizeof(*t));
+	if (!t)
+		return;
+	totals_merge(st, t);
+	double dt = (double)(now - st->last_progress_ns) / 1e9;
+	double rate = st->last_progress_ns ? (double)(t->count[C_JOBS_OK] - st->last_progress_jobs) / dt
+					   : 0;
+	fprintf(stderr, "\r%7.1f s  %llu jobs  %.0f jobs/s  %llu errors  p99 %.3f ms  %u kills\033[K",
+		(double)(now - st->t_start_ns) / 1e9, (unsigned long long)t->count[C_JOBS_OK], rate,
+		(unsigned long long)(t->count[C_UNEXPECTED] + t->count[C_MISMATCHES]),
+		totals_quantile_us(t, 0.99) / 1e3, st->kills);
+	st->last_progress_ns = now;
+	st->last_progress_jobs = t->count[C_JOBS_OK];
+	free(t);
+}
+
+/* Starts every client, then watches them until the run is over and all are gone. */
+static void parent_run(struct stress *st)
+{
+	st->t_start_ns = now_ns();
+	st->last_progress_ns = st->t_start_ns;
+	for (unsigned p = 0; p < st->opt.procs; p++)
+		child_start(st, p);
+	for (;;) {
+		uint64_t now = now_ns();
+		bool time_up = st->opt.duration_s > 0 &&
+			       now >= st->t_start_ns + (uint64_t)(st->opt.duration_s * 1e9);
+		if (!st->stopping && (interrupted || time_up)) {
+			st->stopping = true;
+			st->t_stop_ns = now;
+			atomic_store(&st->sh->stop, true);
+		}
+		parent_reap(st);
+		if (!run_over(st))
+			parent_chaos(st, now);
+		if (children_running(st) == 0)
+			break;
+		parent_kill_hung(st, now);
+		parent_progress(st, now);
+		uint64_t wake = next_wakeup(st, now);
+		now = now_ns();
+		if (wake > now)
+			sleep_ns(wake - now);
+	}
+	st->t_end_ns = now_ns();
+	if (st->tty)
+		fprintf(stderr, "\r\033[K");
+}
+
+/* ---- the daemon's own numbers ------------------------------------------------------------ */
+
+/*
+ * Reads the daemon's counters on a fresh connection. With `settle`, first
+ * waits (up to 3 s) until the daemon has noticed that the clients are gone:
+ * no regions, no jobs, only this connection.
+ */
+static bool daemon_stats(const struct stress_opts *o, bool settle, struct nc_stats *out)
+{
+	nc_conn *conn;
+	if (nc_connect(o->socket_path, "normstress", 10000, &conn))
+		return false;
+	int rc = nc_stats_get(conn, 10000, out);
+	for (int i = 0; settle && rc == 0 && i < 150; i++) {
+		if (out->clients <= 1 && out->regions == 0 && out->jobs_in_flight == 0)
+			break;
+		sleep_ns(20000000ull);
+		rc = nc_stats_get(conn, 10000, out);
+	}
+	nc_close(conn);
+	return rc == 0;
+}
+
+/*
+ * Connects once before anything starts: the daemon must be there, and must
+ * be able to run what was asked. Returns 0, or the exit status to end with.
+ */
+static int preflight(struct stress *st)
+{
+	const struct stress_opts *o = &st->opt;
+	nc_conn *conn;
+	if (nc_connect(o->socket_path, "normstress", 10000, &conn)) {
+		fprintf(stderr, "normstress: %s\n", nc_last_error());
+		return 1;
+	}
+	const struct nc_server_info *info = nc_server_info(conn);
+	int status = 0;
+	snprintf(st->backend, sizeof(st->backend), "%s", info->backend);
+	if (strcmp(info->backend, "cpu") == 0 && o->mode == MODE_EVENT) {
+		fprintf(stderr, "normstress: --mode event is not supported on the cpu backend "
+				"(it orders jobs with CUDA IPC events); use --mode sync\n");
+		status = 2;
+	} else if (strcmp(info->backend, "cpu") != 0) {
+		fprintf(stderr, "normstress: the %s backend needs CUDA IPC regions, which normstress "
+				"does not create yet (it has host memfd regions for the cpu backend)\n",
+			info->backend);
+		status = 2;
+	} else if (info->max_jobs_in_flight && o->inflight > info->max_jobs_in_flight) {
+		fprintf(stderr, "normstress: --inflight %u exceeds the daemon's max_jobs_in_flight %u\n",
+			o->inflight, info->max_jobs_in_flight);
+		status = 2;
+	}
+	if (status == 0)
+		st->have_before = nc_stats_get(conn, 10000, &st->before) == 0;
+	nc_close(conn);
+	return status;
+}
+
+static bool run_passed(const struct stress *st, const struct totals *t)
+{
+	return t->count[C_UNEXPECTED] == 0 && t->count[C_MISMATCHES] == 0 &&
+	       st->child_failures == 0 && st->have_after;
+}
+
+static void print_status_map(const uint64_t *by_status)
+{
+	bool any = false;
+	for (unsigned i = 1; i < STATUS_SLOTS; i++) {
+		if (!by_status[i])
+			continue;
+		printf(" %s=%llu", status_slot_name(i), (unsigned long long)by_status[i]);
+		any = true;
+	}
+	printf("%s\n", any ? "" : " none");
+}
+
+static void report_text(const struct stress *st, const struct totals *t, double elapsed)
+{
+	const struct stress_opts *o = &st->opt;
+	const uint64_t *n = t->count;
+	printf("normstress: %u processes x %u threads, %.1f s, %s backend, mode %s, seed %llu\n",
+	       o->procs, o->threads, elapsed, st->backend, o->mode == MODE_EVENT ? "event" : "sync",
+	       (unsigned long long)o->seed);
+	printf("jobs        %llu ok, %.1f jobs/s, %.1f MB/s\n", (unsigned long long)n[C_JOBS_OK],
+	       (double)n[C_JOBS_OK] / elapsed, (double)n[C_BYTES] / elapsed / 1e6);
+	printf("latency     p50 %.3f ms  p90 %.3f ms  p99 %.3f ms  p99.9 %.3f ms  max %.3f ms\n",
+	       totals_quantile_us(t, 0.50) / 1e3, totals_quantile_us(t, 0.90) / 1e3,
+	       totals_quantile_us(t, 0.99) / 1e3, totals_quantile_us(t, 0.999) / 1e3,
+	       (double)t->max_ns / 1e9 * 1e3);
+	printf("verify      %llu checked, %llu mismatches\n", (unsigned long long)n[C_VERIFIED],
+	       (unsigned long long)n[C_MISMATCHES]);
+	printf("invalid     %llu sent, %llu answered as expected; statuses:",
+	       (unsigned long long)n[C_BAD_SENT], (unsigned long long)n[C_BAD_EXPECTED]);
+	print_status_map(t->bad_status);
+	printf("chaos       %u processes killed, %llu requests lost with them, %llu regions created\n",
+	       st->kills, (unsigned long long)st->lost, (unsigned long long)n[C_KITS]);
+	printf("errors      %llu unexpected, %u client processes failed; valid jobs failed:",
+	       (unsigned long long)n[C_UNEXPECTED], st->child_failures);
+	print_status_map(t->valid_status);
+	if (st->have_after)
+		printf("daemon      up; rss %.1f MiB before, %.1f MiB after (%+.1f%%); %u regions, "
+		       "%u jobs left\n",
+		       (double)st->before.rss_bytes / 1048576.0, (double)st->after.rss_bytes / 1048576.0,
+		       st->before.rss_bytes ? 100.0 * ((double)st->after.rss_bytes /
+							(double)st->before.rss_bytes - 1.0)
+					    : 0.0,
+		       st->after.regions, st->after.jobs_in_flight);
+	else
+		printf("daemon      NOT REACHABLE after the run\n");
+	printf("result      %s\n", run_passed(st, t) ? "PASS" : "FAIL");
+}
+
+static void json_status_map(FILE *f, const char *key, const uint64_t *by_status)
+{
+	bool first = true;
+	fprintf(f, "\"%s\":{", key);
+	for (unsigned i = 1; i < STATUS_SLOTS; i++) {
+		if (!by_status[i])
+			continue;
+		fprintf(f, "%s\"%s\":%llu", first ? "" : ",", status_slot_name(i),
+			(unsigned long long)by_status[i]);
+		first = false;
+	}
+	fprintf(f, "}");
+}
+
+static void json_body(FILE *f, const struct stress *st, const struct totals *t, double elapsed)
+{
+	const struct stress_opts *o = &st->opt;
+	const uint64_t *n = t->count;
+	fprintf(f, "{\"procs\":%u,\"threads\":%u,\"inflight\":%u,\"mode\":\"%s\",\"backend\":\"%s\","
+		   "\"seed\":%llu,\"elapsed_s\":%.3f,\"jobs_ok\":%llu,\"jobs_per_s\":%.1f,"
+		   "\"bytes\":%llu,\"bytes_per_s\":%.0f,",
+		o->procs, o->threads, o->inflight, o->mode == MODE_EVENT ? "event" : "sync",
+		st->backend, (unsigned long long)o->seed, elapsed, (unsigned long long)n[C_JOBS_OK],
+		(double)n[C_JOBS_OK] / elapsed, (unsigned long long)n[C_BYTES],
+		(double)n[C_BYTES] / elapsed);
+	fprintf(f, "\"latency_us\":{\"p50\":%.1f,\"p90\":%.1f,\"p99\":%.1f,\"p99_9\":%.1f,"
+		   "\"max\":%.1f},",
+		totals_quantile_us(t, 0.50), totals_quantile_us(t, 0.90), totals_quantile_us(t, 0.99),
+		totals_quantile_us(t, 0.999), (double)t->max_ns / 1e3);
+	fprintf(f, "\"verified\":%llu,\"mismatches\":%llu,\"bad_sent\":%llu,\"bad_expected\":%llu,",
+		(unsigned long long)n[C_VERIFIED], (unsigned long long)n[C_MISMATCHES],
+		(unsigned long long)n[C_BAD_SENT], (unsigned long long)n[C_BAD_EXPECTED]);
+	json_status_map(f, "bad_by_status", t->bad_status);
+	fprintf(f, ",\"unexpected_errors\":%llu,", (unsigned long long)n[C_UNEXPECTED]);
+	json_status_map(f, "failed_by_status", t->valid_status);
+	fprintf(f, ",\"kills\":%u,\"lost_in_flight\":%llu,\"regions_created\":%llu,"
+		   "\"child_failures\":%u,\"daemon_up\":%s,",
+		st->kills, (unsigned long long)st->lost, (unsigned long long)n[C_KITS],
+		st->child_failures, st->have_after ? "true" : "false");
+	fprintf(f, "\"daemon_rss_before\":%llu,\"daemon_rss_after\":%llu,\"daemon_regions_after\":%u,"
+		   "\"passed\":%s}\n",
+		(unsigned long long)st->before.rss_bytes, (unsigned long long)st->after.rss_bytes,
+		st->after.regions, run_passed(st, t) ? "true" : "false");
+}
+
+static int report_json(const struct stress *st, const struct totals *t, double elapsed)
+{
+	FILE *f = fopen(st->opt.json_path, "w");
+	if (!f) {
+		fprintf(stderr, "normstress: cannot write %s: %s\n", st->opt.json_path,
+			strerror(errno));
+		return -1;
+	}
+	json_body(f, st, t, elapsed);
+	if (fclose(f) != 0) {
+		fprintf(stderr, "normstress: writing %s failed\n", st->opt.json_path);
+		return -1;
+	}
+	return 0;
+}
+
+/* ---- main ---------------------------------------------------------------------------------- */
+
+static int stress_setup(struct stress *st)
+{
+	size_t slots = (size_t)st->opt.procs * st->opt.threads;
+	st->sh_bytes = sizeof(struct shared) + slots * sizeof(struct slot);
+	st->sh = mmap(NULL, st->sh_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	if (st->sh == MAP_FAILED) {
+		fprintf(stderr, "normstress: mmap of %zu bytes: %s\n", st->sh_bytes, strerror(errno));
+		return -1;
+	}
+	st->children = calloc(st->opt.procs, sizeof(*st->children));
+	if (!st->children) {
+		fprintf(stderr, "normstress: out of memory\n");
+		munmap(st->sh, st->sh_bytes);
+		return -1;
+	}
+	st->parent_pid = getpid();
+	st->rng = st->opt.seed ^ 0x5eedf00dull;
+	st->tty = isatty(STDERR_FILENO);
+	struct sigaction sa = {.sa_handler = on_interrupt};
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGINT, &sa, NULL);
+	sigaction(SIGTERM, &sa, NULL);
+	signal(SIGPIPE, SIG_IGN);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	struct stress st;
+	memset(&st, 0, sizeof(st));
+	int rc = parse_options(argc, argv, &st.opt);
+	if (rc)
+		return rc == 1 ? 0 : 2;
+	rc = preflight(&st);
+	if (rc)
+		return rc;
+	if (stress_setup(&st))
+		return 1;
+	parent_run(&st);
+	st.have_after = daemon_stats(&st.opt, true, &st.after);
+	struct totals *t = malloc(sizeof(*t));
+	if (!t) {
+		fprintf(stderr, "normstress: out of memory\n");
+		return 1;
+	}
+	totals_merge(&st, t);
+	double elapsed = (double)(st.t_end_ns - st.t_start_ns) / 1e9;
+	elapsed = elapsed > 1e-3 ? elapsed : 1e-3;
+	report_text(&st, t, elapsed);
+	bool passed = run_passed(&st, t);
+	if (st.opt.json_path && report_json(&st, t, elapsed) != 0)
+		passed = false;
+	free(t);
+	free(st.children);
+	munmap(st.sh, st.sh_bytes);
+	return passed ? 0 : 1;
+}

@@ -1,0 +1,359 @@
+/*
+ * The CUDA backend end to end (run on the GPU machine by `make test-gpu`):
+ * clients keep their tensors in their own cudaMalloc memory and pass CUDA
+ * IPC handles; every op is checked against the float64 reference; a client
+ * killed mid-job releases its mappings; 1000 connect/register/job/disconnect
+ * cycles leave the daemon's device memory and RSS flat; memory CUDA IPC
+ * cannot export is refused clearly; replies name the variant that ran.
+ *
+ * Every CUDA call happens in a child process: a process that has touched
+ * CUDA cannot fork children that use it, and the daemon is a process of its
+ * own (started by test_daemon_start_on).
+ */
+#include <cuda_runtime_api.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "client/tools/jobkit.h"
+#include "normclient.h"
+#include "tests/support/testlib.h"
+
+static struct test_daemon daemon_;
+static int passed, failed;
+
+#define CHECK(cond, ...)                                                                   \
+	do {                                                                               \
+		if (!(cond)) {                                                             \
+			fprintf(stderr, "  check failed at line %d: %s: ", __LINE__, #cond); \
+			fprintf(stderr, __VA_ARGS__);                                      \
+			fprintf(stderr, "\n");                                             \
+			return 1;                                                          \
+		}                                                                          \
+	} while (0)
+
+/* Runs fn in a child process; returns its exit status (0 = success). */
+static int in_child(int (*fn)(void *), void *arg)
+{
+	fflush(NULL);
+	pid_t pid = fork();
+	if (pid == 0)
+		_exit(fn(arg));
+	int status;
+	waitpid(pid, &status, 0);
+	return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+static void report(const char *name, int rc)
+{
+	printf("%-40s %s\n", name, rc == 0 ? "ok" : "FAILED");
+	if (rc == 0)
+		passed++;
+	else
+		failed++;
+}
+
+static nc_conn *connect_daemon(const char *name)
+{
+	nc_conn *conn = NULL;
+	if (nc_connect(daemon_.socket, name, 10000, &conn) != NC_OK)
+		fprintf(stderr, "  connect: %s\n", nc_last_error());
+	return conn;
+}
+
+static int run_checked(nc_conn *conn, const struct jobkit_spec *spec, char *variant)
+{
+	struct jobkit kit;
+	struct nc_job_result result;
+	struct jobkit_report rep = {0};
+	int rc = jobkit_create(conn, spec, &kit);
+	if (rc) {
+		fprintf(stderr, "  set-up: %s\n", nc_last_error());
+		return 1;
+	}
+	rc = nc_job_run_on_stream(conn, &kit.job, NULL, 30000, &result);
+	bool ok = rc == NC_OK && jobkit_check(&kit, &rep);
+	if (!ok)
+		fprintf(stderr, "  %s %llux%llu dtype %d me %d: %s (%s) %s\n",
+			jobkit_op_name(spec->op), (unsigned long long)spec->rows,
+			(unsigned long long)spec->cols, spec->dtype, spec->memory_efficient,
+			nc_status_name(rc), result.message, rep.detail);
+	if (variant)
+		snprintf(variant, 64, "%s", result.variant);
+	jobkit_destroy(&kit);
+	return ok ? 0 : 1;
+}
+
+/* Every op x dtype x weight dtype x memory_efficient x affine on a few shapes. */
+static int every_op(void *arg)
+{
+	(void)arg;
+	nc_conn *conn = connect_daemon("every-op");
+	CHECK(conn, "no connection");
+	static const uint64_t shapes[][2] = {{1, 1}, {7, 33}, {33, 1000}, {5, 4096}, {3, 12288}};
+	int bad = 0, seed = 1;
+	for (int op = 1; op <= 4; op++)
+		for (int dt = 1; dt <= 3; dt++)
+			for (int s = 0; s < 5; s++)
+				for (int variant = 0; variant < 4; variant++) {
+					bool bwd = op == 2 || op == 4;
+					struct jobkit_spec spec = {
+						.op = (enum nc_op)op, .rows = shapes[s][0],
+						.cols = shapes[s][1], .dtype = (enum nc_dtype)dt,
+						.weight_dtype = variant == 2 ? NC_F32 : 0,
+						.gamma = variant != 0, .beta = variant != 0,
+						.memory_efficient = bwd && variant == 3,
+						.seed = (uint64_t)seed++, .on_device = true,
+					};
+					bad += run_checked(conn, &spec, NULL);
+				}
+	nc_close(conn);
+	CHECK(bad == 0, "%d jobs wrong", bad);
+	return 0;
+}
+
+/* Several client processes at once, each with its own buffers. */
+static int many_clients(void *arg)
+{
+	(void)arg;
+	enum { PROCS = 6 };
+	pid_t pids[PROCS];
+	for (int p = 0; p < PROCS; p++) {
+		pids[p] = fork();
+		if (pids[p] == 0) {
+			nc_conn *conn = connect_daemon("many");
+			int bad = conn ? 0 : 1;
+			for (int i = 0; conn && i < 24; i++) {
+				struct jobkit_spec spec = {
+					.op = (enum nc_op)(1 + (i + p) % 4), .rows = 64 + (uint64_t)p,
+					.cols = 512 + 128 * (uint64_t)i, .dtype = (enum nc_dtype)(1 + i % 3),
+					.gamma = true, .beta = true, .memory_efficient = (i / 4) % 2,
+					.seed = (uint64_t)(p * 1000 + i), .on_device = true,
+				};
+				bad += run_checked(conn, &spec, NULL);
+			}
+			nc_close(conn);
+			_exit(bad ? 1 : 0);
+		}
+	}
+	int bad = 0;
+	for (int p = 0; p < PROCS; p++) {
+		int status;
+		waitpid(pids[p], &status, 0);
+		bad += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+	}
+	CHECK(bad == 0, "%d client processes saw wrong results", bad);
+	return 0;
+}
+
+/* Device-wide free memory, read in a child so this process stays CUDA-free. */
+static int free_memory_child(void *arg)
+{
+	int fd = *(int *)arg;
+	size_t free_b = 0, total = 0;
+	if (cudaMemGetInfo(&free_b, &total) != cudaSuccess)
+		return 1;
+	unsigned long long v = free_b;
+	return write(fd, &v, sizeof(v)) == sizeof(v) ? 0 : 1;
+}
+
+static long long device_free_bytes(void)
+{
+	int fds[2];
+	unsigned long long v = 0;
+	if (pipe(fds) != 0)
+		return -1;
+	int rc = in_child(free_memory_child, &fds[1]);
+	ssize_t n = read(fds[0], &v, sizeof(v));
+	close(fds[0]);
+	close(fds[1]);
+	return rc == 0 && n == sizeof(v) ? (long long)v : -1;
+}
+
+static int daemon_stats(struct nc_stats *stats)
+{
+	nc_conn *conn = connect_daemon("stats");
+	if (!conn)
+		return -1;
+	int rc = nc_stats_get(conn, 10000, stats);
+	nc_close(conn);
+	return rc;
+}
+
+/* Waits until the daemon holds no regions and no jobs (besides the asker). */
+static int wait_idle(void)
+{
+	struct nc_stats stats;
+	for (int i = 0; i < 200; i++) {
+		if (daemon_stats(&stats) == 0 && stats.regions == 0 && stats.jobs_in_flight == 0)
+			return 0;
+		usleep(50 * 1000);
+	}
+	return -1;
+}
+
+static int doomed_client(void *arg)
+{
+	(void)arg;
+	nc_conn *conn = connect_daemon("doomed");
+	struct jobkit kit;
+	struct jobkit_spec spec = {.op = NC_LAYERNORM_BWD, .rows = 16384, .cols = 4096,
+				   .dtype = NC_BF16, .gamma = true, .beta = true, .seed = 3,
+				   .on_device = true};
+	if (!conn || jobkit_create(conn, &spec, &kit))
+		return 2;
+	uint64_t id;
+	for (int i = 0; i < 8; i++)
+		nc_job_submit(conn, &kit.job, &id);
+	kill(getpid(), SIGKILL); /* mid-job, no goodbye */
+	return 3;
+}
+
+/* A client killed mid-job: the others go on, its memory comes back. */
+static int killed_client_releases(void *arg)
+{
+	(void)arg;
+	CHECK(wait_idle() == 0, "daemon not idle before");
+	long long before = device_free_bytes();
+	int rc = in_child(doomed_client, NULL);
+	CHECK(rc == 128 + SIGKILL, "the doomed client ended with %d", rc);
+	CHECK(in_child(many_clients, NULL) == 0, "others were disturbed");
+	CHECK(wait_idle() == 0, "regions of the killed client were not released");
+	long long after = device_free_bytes();
+	CHECK(before > 0 && after > 0, "cannot read device memory");
+	printf("  device free memory before %lld MiB, after %lld MiB\n", before >> 20, after >> 20);
+	CHECK(llabs(after - before) <= (8ll << 20), "device memory moved by %lld bytes",
+	      after - before);
+	return 0;
+}
+
+static int cycles_child(void *arg)
+{
+	int cycles = *(int *)arg;
+	void *buf = NULL;
+	if (cudaMalloc(&buf, 1 << 20) != cudaSuccess ||
+	    cudaMemset(buf, 0x3c, 1 << 20) != cudaSuccess)
+		return 2;
+	for (int i = 0; i < cycles; i++) {
+		nc_conn *conn = connect_daemon("cycle");
+		nc_region *region = NULL;
+		if (!conn || nc_region_register_device(conn, buf, &region) != NC_OK)
+			return 3;
+		char *base = buf;
+		struct nc_job job = {.op = NC_RMSNORM_FWD, .rows = 4, .cols = 1024, .dtype = NC_BF16,
+				     .x = nc_tensor_at(region, base),
+				     .y = nc_tensor_at(region, base + 65536),
+				     .gamma = nc_tensor_at(region, base + 131072)};
+		struct nc_job_result result;
+		if (nc_job_run_on_stream(conn, &job, NULL, 10000, &result) != NC_OK) {
+			fprintf(stderr, "  cycle %d: %s\n", i, result.message);
+			return 4;
+		}
+		if (i % 2)
+			nc_region_free(region); /* half unregister, half just disconnect */
+		nc_close(conn);
+	}
+	cudaFree(buf);
+	return 0;
+}
+
+/* 1000 connect/register/job/disconnect cycles leave memory flat. */
+static int thousand_cycles(void *arg)
+{
+	(void)arg;
+	int warmup = 50, cycles = 1000;
+	CHECK(in_child(cycles_child, &warmup) == 0, "warm-up cycles failed");
+	CHECK(wait_idle() == 0, "not idle after warm-up");
+	struct nc_stats s0, s1;
+	CHECK(daemon_stats(&s0) == 0, "stats");
+	long long before = device_free_bytes();
+	CHECK(in_child(cycles_child, &cycles) == 0, "cycles failed");
+	CHECK(wait_idle() == 0, "not idle after the cycles");
+	CHECK(daemon_stats(&s1) == 0, "stats");
+	long long after = device_free_bytes();
+	printf("  rss %llu -> %llu KiB, device free %lld -> %lld MiB, clients_total %llu\n",
+	       (unsigned long long)s0.rss_bytes >> 10, (unsigned long long)s1.rss_bytes >> 10,
+	       before >> 20, after >> 20, (unsigned long long)s1.clients_total);
+	CHECK(s1.rss_bytes <= s0.rss_bytes + s0.rss_bytes / 20 + (1 << 20),
+	      "rss grew from %llu to %llu", (unsigned long long)s0.rss_bytes,
+	      (unsigned long long)s1.rss_bytes);
+	CHECK(llabs(after - before) <= (8ll << 20), "device memory moved by %lld", after - before);
+	return 0;
+}
+
+/* Memory CUDA IPC cannot export is refused with UNSUPPORTED and a reason. */
+static int unexportable(void *arg)
+{
+	(void)arg;
+	nc_conn *conn = connect_daemon("unexportable");
+	CHECK(conn, "no connection");
+	void *managed = NULL, *pooled = NULL;
+	nc_region *region = NULL;
+	CHECK(cudaMallocManaged(&managed, 1 << 16, cudaMemAttachGlobal) == cudaSuccess, "managed");
+	int rc = nc_region_register_device(conn, managed, &region);
+	CHECK(rc == NC_EUNSUPPORTED, "managed memory gave %s", nc_status_name(rc));
+	printf("  managed: %s\n", nc_last_error());
+	CHECK(cudaMallocAsync(&pooled, 1 << 16, 0) == cudaSuccess &&
+		      cudaStreamSynchronize(0) == cudaSuccess,
+	      "pool");
+	rc = nc_region_register_device(conn, pooled, &region);
+	CHECK(rc == NC_EUNSUPPORTED, "pool memory gave %s", nc_status_name(rc));
+	printf("  pool: %s\n", nc_last_error());
+	int host = 0;
+	rc = nc_region_register_device(conn, &host, &region);
+	CHECK(rc == NC_EINVALID_ARGUMENT, "a host pointer gave %s", nc_status_name(rc));
+	cudaFree(managed);
+	cudaFreeAsync(pooled, 0);
+	nc_close(conn);
+	return 0;
+}
+
+/* Replies name the variant; the cache lists what ran. */
+static int variants_listed(void *arg)
+{
+	(void)arg;
+	nc_conn *conn = connect_daemon("variants");
+	CHECK(conn, "no connection");
+	char variant[64] = "";
+	struct jobkit_spec spec = {.op = NC_LAYERNORM_FWD, .rows = 100, .cols = 2048,
+				   .dtype = NC_BF16, .gamma = true, .beta = true, .seed = 11,
+				   .on_device = true};
+	CHECK(run_checked(conn, &spec, variant) == 0, "job failed");
+	CHECK(variant[0] != '\0', "the reply names no variant");
+	struct nc_variant_info *list;
+	size_t n;
+	CHECK(nc_variants_get(conn, 10000, &list, &n) == NC_OK, "variants: %s", nc_last_error());
+	bool found = false;
+	for (size_t i = 0; i < n; i++)
+		found |= list[i].cols == 2048 && list[i].op == NC_LAYERNORM_FWD && list[i].uses > 0;
+	printf("  reply variant %s; %zu cache entries\n", variant, n);
+	nc_variants_free(list);
+	nc_close(conn);
+	CHECK(found, "the cache does not list the job's key");
+	return 0;
+}
+
+int main(void)
+{
+	if (test_daemon_start_on(&daemon_, "0", NULL) != 0) {
+		fprintf(stderr, "cannot start normd --device 0\n");
+		printf("0 passed, 1 failed\n");
+		return 1;
+	}
+	report("every op against the reference", in_child(every_op, NULL));
+	report("several client processes", in_child(many_clients, NULL));
+	report("killed client releases its memory", killed_client_releases(NULL));
+	report("1000 connect/register/job cycles", thousand_cycles(NULL));
+	report("unexportable memory refused", in_child(unexportable, NULL));
+	report("variants named and listed", in_child(variants_listed, NULL));
+	bool alive = test_daemon_alive(&daemon_);
+	if (failed || !alive)
+		test_daemon_dump_log(&daemon_);
+	int rc = test_daemon_stop(&daemon_);
+	report("daemon alive and exits 0 on SIGTERM", alive && rc == 0 ? 0 : 1);
+	printf("%d passed, %d failed\n", passed, failed);
+	return failed ? 1 : 0;
+}
