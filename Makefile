@@ -5,17 +5,30 @@
 #   make test       install missing build dependencies, build, run the whole suite
 #   make test-gpu   GPU tests (on a machine with an NVIDIA GPU)
 #   make bench-gpu  GPU benchmarks (on a machine with an NVIDIA GPU)
+#   make install    install under PREFIX (/usr/local) into DESTDIR (README.md)
 #
 # Generated code goes to build/gen, objects to build/obj, products to
 # build/bin, build/lib and build/tests. Nothing is written into the tree.
 
 PREFIX ?= /usr/local
 DESTDIR ?=
+# Install locations (make install; see README.md). The config file goes to
+# /etc whatever the prefix, where normd looks for it by default.
+BINDIR ?= $(PREFIX)/bin
+SBINDIR ?= $(PREFIX)/sbin
+LIBDIR ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+MANDIR ?= $(PREFIX)/share/man
+SYSCONFDIR ?= /etc
+UNITDIR ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+TMPFILESDIR ?= $(PREFIX)/lib/tmpfiles.d
 B := build
 CUDA_HOME ?= /usr/local/cuda
 NVCC ?= $(CUDA_HOME)/bin/nvcc
 CC ?= cc
 VERSION := 0.1.0
+SOVERSION := 0
 
 WARN := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes
 CFLAGS ?= -O2 -g
@@ -37,9 +50,9 @@ NVCC_ARCH := -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=s
 NVCC_FLAGS := -O3 -std=c++17 -I. $(NVCC_ARCH) -Xcompiler -fPIC,-Wall,-Wextra,-Werror \
 	-Xptxas -warn-spills --expt-relaxed-constexpr
 
-.PHONY: all run test test-unit test-asan test-gpu bench-gpu deps clean install fuzz
-all: $(B)/bin/normd $(B)/bin/normctl $(B)/lib/libnormclient.a $(B)/lib/libnormclient.so \
-	$(B)/lib/pkgconfig/normclient.pc tests
+.PHONY: all run test test-unit test-asan test-gpu bench-gpu deps clean install uninstall fuzz
+all: $(B)/bin/normd $(B)/bin/normctl $(B)/bin/normstress $(B)/lib/libnormclient.a \
+	$(B)/lib/libnormclient.so $(B)/lib/pkgconfig/normclient.pc tests
 
 # ---- generated protocol code -------------------------------------------------
 $(B)/gen/normd.pb-c.c $(B)/gen/normd.pb-c.h: proto/normd.proto
@@ -66,7 +79,7 @@ $(B)/obj/kernels/%.cu.o: kernels/%.cu kernels/norm_kernels.h
 
 PROTO_OBJS := $(B)/obj/gen/normd.pb-c.o $(B)/obj/proto/frame.o
 KERNEL_CPU_OBJS := $(B)/obj/kernels/norm_cpu.o $(B)/obj/kernels/norm_common.o \
-	$(B)/obj/kernels/cuda_driver.o
+	$(B)/obj/kernels/cuda_driver.o $(B)/obj/kernels/wgrad_cpu.o $(B)/obj/kernels/wgrad_cublas.o
 KERNEL_CUDA_OBJS := $(patsubst kernels/%.cu,$(B)/obj/kernels/%.cu.o,$(wildcard kernels/*.cu))
 DAEMON_SRCS := $(wildcard daemon/*.c)
 DAEMON_OBJS := $(patsubst %.c,$(B)/obj/%.o,$(DAEMON_SRCS))
@@ -92,18 +105,30 @@ $(B)/lib/libnormclient.a: $(CLIENT_OBJS) $(PROTO_OBJS) $(B)/obj/kernels/cuda_dri
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(B)/lib/libnormclient.so: $(CLIENT_PIC_OBJS) $(B)/obj/gen/normd.pb-c.o
+# The real file carries the full version; the soname names the ABI
+# (SOVERSION); libnormclient.so is the link-time name.
+$(B)/lib/libnormclient.so.$(VERSION): $(CLIENT_PIC_OBJS) $(B)/obj/gen/normd.pb-c.o
 	@mkdir -p $(dir $@)
-	$(CC) -shared -Wl,-soname,libnormclient.so.0 -Wl,--no-undefined $(LDFLAGS) -o $@ $^ \
-		-lprotobuf-c $(CUDART) $(SYS_LIBS)
+	$(CC) -shared -Wl,-soname,libnormclient.so.$(SOVERSION) -Wl,--no-undefined $(LDFLAGS) \
+		-o $@ $^ -lprotobuf-c $(CUDART) $(SYS_LIBS)
 
+$(B)/lib/libnormclient.so: $(B)/lib/libnormclient.so.$(VERSION)
+	ln -sf libnormclient.so.$(VERSION) $(B)/lib/libnormclient.so.$(SOVERSION)
+	ln -sf libnormclient.so.$(SOVERSION) $@
+
+# The pkg-config file: paths under the prefix are written as ${prefix}/...
+# so that `pkg-config --define-variable=prefix=...` can relocate them.
+PC_SED = -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' \
+	-e 's|@LIBDIR@|$(patsubst $(PREFIX)/%,$${prefix}/%,$(LIBDIR))|g' \
+	-e 's|@INCLUDEDIR@|$(patsubst $(PREFIX)/%,$${prefix}/%,$(INCLUDEDIR))|g' \
+	-e 's|@CUDA_LIBDIR@|$(CUDA_HOME)/lib64|g'
 $(B)/lib/pkgconfig/normclient.pc: client/normclient.pc.in Makefile
 	@mkdir -p $(dir $@)
-	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
+	sed $(PC_SED) $< > $@
 
 CLIENT_TOOL_LIBS := $(B)/lib/libnormclient.a $(B)/lib/libnormkernels.a $(STATIC_PB) \
 	$(CUDART) $(SYS_LIBS) -lstdc++
-TOOL_COMMON_OBJS := $(B)/obj/client/tools/jobkit.o
+TOOL_COMMON_OBJS := $(B)/obj/client/tools/jobkit.o $(B)/obj/client/tools/statsfmt.o
 $(B)/bin/%: $(B)/obj/client/tools/%.o $(TOOL_COMMON_OBJS) $(B)/lib/libnormclient.a \
 		$(B)/lib/libnormkernels.a
 	@mkdir -p $(dir $@)
@@ -155,6 +180,55 @@ test-gpu: gpu-progs
 
 bench-gpu: gpu-progs
 	@sh bench/run.sh $(B)
+
+# ---- install -------------------------------------------------------------------
+# make install [PREFIX=/usr/local] [DESTDIR=staging root]: binaries (normd in
+# sbin), the client library (.so with its soname links, .a), the header and
+# pkg-config file, systemd units (written from their templates with these
+# paths), sysusers.d/tmpfiles.d files, man pages, and the default config
+# file unless one is already there. Run ldconfig afterwards for /usr/local.
+INSTALL ?= install
+UNIT_SED = -e 's|@SBINDIR@|$(SBINDIR)|g' -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g'
+D := $(DESTDIR)
+
+install: all
+	@mkdir -p $(B)/install
+	sed $(PC_SED) client/normclient.pc.in > $(B)/install/normclient.pc
+	sed $(UNIT_SED) systemd/normd@.service.in > $(B)/install/normd@.service
+	$(INSTALL) -d $(D)$(BINDIR) $(D)$(SBINDIR) $(D)$(LIBDIR)/pkgconfig $(D)$(INCLUDEDIR) \
+		$(D)$(UNITDIR) $(D)$(SYSUSERSDIR) $(D)$(TMPFILESDIR) $(D)$(SYSCONFDIR)/normd \
+		$(D)$(MANDIR)/man1 $(D)$(MANDIR)/man3 $(D)$(MANDIR)/man8
+	$(INSTALL) -m 0755 $(B)/bin/normd $(D)$(SBINDIR)/normd
+	$(INSTALL) -m 0755 $(B)/bin/normctl $(B)/bin/normstress $(D)$(BINDIR)/
+	$(INSTALL) -m 0755 $(B)/lib/libnormclient.so.$(VERSION) $(D)$(LIBDIR)/
+	ln -sf libnormclient.so.$(VERSION) $(D)$(LIBDIR)/libnormclient.so.$(SOVERSION)
+	ln -sf libnormclient.so.$(SOVERSION) $(D)$(LIBDIR)/libnormclient.so
+	$(INSTALL) -m 0644 $(B)/lib/libnormclient.a $(D)$(LIBDIR)/
+	$(INSTALL) -m 0644 $(B)/install/normclient.pc $(D)$(LIBDIR)/pkgconfig/
+	$(INSTALL) -m 0644 client/include/normclient.h $(D)$(INCLUDEDIR)/
+	$(INSTALL) -m 0644 $(B)/install/normd@.service systemd/normd@.socket $(D)$(UNITDIR)/
+	$(INSTALL) -m 0644 systemd/normd.sysusers $(D)$(SYSUSERSDIR)/normd.conf
+	$(INSTALL) -m 0644 systemd/normd.tmpfiles $(D)$(TMPFILESDIR)/normd.conf
+	$(INSTALL) -m 0644 man/normctl.1 man/normstress.1 $(D)$(MANDIR)/man1/
+	$(INSTALL) -m 0644 man/libnormclient.3 $(D)$(MANDIR)/man3/
+	$(INSTALL) -m 0644 man/normd.8 $(D)$(MANDIR)/man8/
+	@if [ -e $(D)$(SYSCONFDIR)/normd/normd.conf ]; then \
+		echo "keeping $(D)$(SYSCONFDIR)/normd/normd.conf (the new default is systemd/normd.conf)"; \
+	else \
+		echo "$(INSTALL) -m 0644 systemd/normd.conf $(D)$(SYSCONFDIR)/normd/normd.conf"; \
+		$(INSTALL) -m 0644 systemd/normd.conf $(D)$(SYSCONFDIR)/normd/normd.conf; \
+	fi
+
+# Removes what install put there, except the config file (it may be edited).
+uninstall:
+	rm -f $(D)$(SBINDIR)/normd $(D)$(BINDIR)/normctl $(D)$(BINDIR)/normstress \
+		$(D)$(LIBDIR)/libnormclient.so.$(VERSION) $(D)$(LIBDIR)/libnormclient.so.$(SOVERSION) \
+		$(D)$(LIBDIR)/libnormclient.so $(D)$(LIBDIR)/libnormclient.a \
+		$(D)$(LIBDIR)/pkgconfig/normclient.pc $(D)$(INCLUDEDIR)/normclient.h \
+		$(D)$(UNITDIR)/normd@.service $(D)$(UNITDIR)/normd@.socket \
+		$(D)$(SYSUSERSDIR)/normd.conf $(D)$(TMPFILESDIR)/normd.conf \
+		$(D)$(MANDIR)/man1/normctl.1 $(D)$(MANDIR)/man1/normstress.1 \
+		$(D)$(MANDIR)/man3/libnormclient.3 $(D)$(MANDIR)/man8/normd.8
 
 clean:
 	rm -rf $(B)

@@ -36,10 +36,11 @@ static void cpu_run_job(struct backend_cpu *cpu, struct job *job)
 	}
 	struct nk_cpu_opts opts = {.precision = NK_CPU_FP32, .threads = cpu->threads_per_job};
 	struct nk_norm_result result = {0};
-	int rc = nk_cpu_norm(&job->args, &opts, &result);
+	int rc = job->wgrad ? nk_cpu_wgrad(&job->gemm, &opts) : nk_cpu_norm(&job->args, &opts, &result);
 	job->t_end_ns = server_now_ns();
 	job->clamped_cols = result.clamped_cols;
-	snprintf(job->variant, sizeof(job->variant), "cpu/fp32/t%d", cpu->threads_per_job);
+	snprintf(job->variant, sizeof(job->variant), "cpu/%s/fp32/t%d", job->wgrad ? "gemm" : "norm",
+		 cpu->threads_per_job);
 	if (rc == NK_OK) {
 		job->status = NC_OK;
 	} else if (rc == NK_ENOMEM) {

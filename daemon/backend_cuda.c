@@ -36,6 +36,7 @@
 #define CUDA_MAX_DEVICES 64
 #define AUTOTUNE_CANDIDATES 16
 #define AUTOTUNE_REPS 5
+#define CUBLAS_WORKSPACE_BYTES (32u << 20)
 
 struct cuda_device;
 
@@ -47,6 +48,8 @@ struct cuda_worker {
 	void *workspace;           /* grows to the largest job's need */
 	size_t workspace_bytes;
 	uint32_t *clamped;         /* pinned host word the kernels write */
+	struct nk_cublas *cublas;  /* WGRAD_ACCUM: made on first use */
+	void *cublas_workspace;
 };
 
 struct cuda_device {
@@ -347,6 +350,45 @@ static void worker_fail(struct job *job, int status, const char *fmt, const char
 	snprintf(job->message, sizeof(job->message), fmt, detail);
 }
 
+/* Runs a WGRAD_ACCUM job through cuBLAS on the worker's stream. */
+static void worker_run_wgrad(struct cuda_worker *w, struct job *job)
+{
+	const char *why = NULL;
+	if (!w->cublas) {
+		if (!w->cublas_workspace &&
+		    cudaMalloc(&w->cublas_workspace, CUBLAS_WORKSPACE_BYTES) != cudaSuccess) {
+			cudaGetLastError();
+			w->cublas_workspace = NULL;
+			return worker_fail(job, NC_ERESOURCE_EXHAUSTED, "%s",
+					   "out of device memory for the cuBLAS workspace");
+		}
+		int rc = nk_cublas_create(w->stream, w->cublas_workspace, CUBLAS_WORKSPACE_BYTES,
+					  &w->cublas, &why);
+		if (rc != NK_OK)
+			return worker_fail(job, rc == NK_EUNSUPPORTED ? NC_EUNSUPPORTED
+								      : NC_EDEVICE_ERROR,
+					   "%s", why);
+	}
+	cudaEventRecord(w->ev_start, w->stream);
+	int rc = nk_cublas_wgrad(w->cublas, &job->gemm, &why);
+	cudaEventRecord(w->ev_stop, w->stream);
+	cudaError_t err = cudaEventSynchronize(w->ev_stop);
+	if (err != cudaSuccess) {
+		cuda_set_fatal(w->dev->backend, w->dev->ordinal, err);
+		return worker_fail(job, NC_EDEVICE_ERROR, "the device failed running the job: %s",
+				   cudaGetErrorString(err));
+	}
+	if (rc != NK_OK)
+		return worker_fail(job, rc == NK_EUNSUPPORTED ? NC_EUNSUPPORTED : NC_EDEVICE_ERROR,
+				   "%s", why);
+	float ms = 0;
+	cudaEventElapsedTime(&ms, w->ev_start, w->ev_stop);
+	job->t_end_ns = job->t_start_ns + (uint64_t)(ms * 1e6f);
+	snprintf(job->variant, sizeof(job->variant), "cublas/gemm_ex/%s",
+		 nk_dtype_name(job->gemm.dtype));
+	job->status = NC_OK;
+}
+
 static void worker_run(struct cuda_worker *w, struct job *job)
 {
 	struct backend_cuda *cuda = w->dev->backend;
@@ -358,6 +400,8 @@ static void worker_run(struct cuda_worker *w, struct job *job)
 	if (job->deadline_us && (job->t_start_ns - job->t_arrive_ns) / 1000 > job->deadline_us)
 		return worker_fail(job, NC_EOUT_OF_RANGE, "%s",
 				   "deadline passed before the job could start");
+	if (job->wgrad)
+		return worker_run_wgrad(w, job);
 	struct nk_variant v, ran;
 	worker_pick_variant(w, &job->args, &v);
 	if (worker_reserve(w, nk_cuda_workspace_bytes(&job->args, &w->dev->info, &v)) != 0)
@@ -467,6 +511,8 @@ static void device_stop(struct cuda_device *dev)
 			cudaEventDestroy(w->ev_stop);
 		cudaFree(w->workspace);
 		cudaFreeHost(w->clamped);
+		nk_cublas_destroy(w->cublas);
+		cudaFree(w->cublas_workspace);
 	}
 	variant_cache_destroy(dev->cache);
 	if (dev->ready) {

@@ -9,9 +9,15 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "daemon/log.h"
 #include "proto/frame.h"
+
+/* Read when no --config is given and it exists (systemd/README.md). */
+#ifndef NORMD_DEFAULT_CONFIG
+#define NORMD_DEFAULT_CONFIG "/etc/normd/normd.conf"
+#endif
 
 enum config_type { CONFIG_STRING, CONFIG_UINT, CONFIG_BOOL };
 
@@ -132,6 +138,8 @@ void config_free(struct config *cfg)
 		nc__free(*field);
 		*field = NULL;
 	}
+	nc__free(cfg->config_file);
+	cfg->config_file = NULL;
 }
 
 static char *trim(char *s)
@@ -178,22 +186,38 @@ int config_load_file(struct config *cfg, const char *path, char *err, size_t err
 	return rc;
 }
 
-/* Finds --config in argv first, so the file applies before the other flags. */
+/* Loads a file and remembers its name for the logs and --print-config. */
+static int config_load_named(struct config *cfg, const char *path, char *err, size_t err_len)
+{
+	if (config_load_file(cfg, path, err, err_len))
+		return -1;
+	nc__free(cfg->config_file);
+	cfg->config_file = nc__strdup(path);
+	return 0;
+}
+
+/*
+ * Finds --config in argv first, so the file applies before the other flags.
+ * Without --config, the default file is read when it exists (a missing one
+ * is no error; an unreadable one is). `--config /dev/null` reads nothing.
+ */
 static int config_apply_file_arg(struct config *cfg, int argc, char **argv, char *err,
 				 size_t err_len)
 {
 	for (int i = 1; i < argc; i++) {
 		if (!strncmp(argv[i], "--config=", 9))
-			return config_load_file(cfg, argv[i] + 9, err, err_len);
+			return config_load_named(cfg, argv[i] + 9, err, err_len);
 		if (!strcmp(argv[i], "--config")) {
 			if (i + 1 >= argc) {
 				snprintf(err, err_len, "--config needs a file name");
 				return -1;
 			}
-			return config_load_file(cfg, argv[i + 1], err, err_len);
+			return config_load_named(cfg, argv[i + 1], err, err_len);
 		}
 	}
-	return 0;
+	if (access(NORMD_DEFAULT_CONFIG, F_OK) != 0 && (errno == ENOENT || errno == ENOTDIR))
+		return 0;
+	return config_load_named(cfg, NORMD_DEFAULT_CONFIG, err, err_len);
 }
 
 int config_parse_args(struct config *cfg, int argc, char **argv, bool *print_config,
@@ -259,6 +283,8 @@ static void config_format(const struct config *cfg, const struct config_entry *e
 void config_print(const struct config *cfg, FILE *out)
 {
 	char value[512];
+	fprintf(out, "# effective configuration; config file: %s\n",
+		cfg->config_file ? cfg->config_file : "none");
 	for (size_t i = 0; i < CONFIG_ENTRIES; i++) {
 		config_format(cfg, &config_table[i], value, sizeof(value));
 		fprintf(out, "%s = %s\n", config_table[i].name, value);
@@ -275,12 +301,15 @@ void config_log(const struct config *cfg)
 		used += (size_t)snprintf(line + used, sizeof(line) - used, " %s=%s",
 					 config_table[i].name, value[0] ? value : "\"\"");
 	}
-	log_info("event=config%s", line);
+	log_info("event=config file=%s%s", cfg->config_file ? cfg->config_file : "none", line);
 }
 
 void config_usage(FILE *out)
 {
-	fprintf(out, "usage: normd [--config FILE] [--print-config] [--OPTION VALUE ...]\n\n");
+	fprintf(out, "usage: normd [--config FILE] [--print-config] [--OPTION VALUE ...]\n\n"
+		     "Settings come from their defaults, then the config file (--config FILE, or\n"
+		     "%s when it exists), then the command line, which wins.\n\n",
+		NORMD_DEFAULT_CONFIG);
 	char value[512];
 	struct config defaults;
 	config_init(&defaults);

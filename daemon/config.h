@@ -31,6 +31,7 @@ struct config {
 	char *allow_uid;         /* comma-separated uids allowed to connect ("" = any) */
 	char *allow_gid;         /* comma-separated gids allowed to connect ("" = any) */
 	bool autotune;           /* CUDA: time candidate variants on first use */
+	char *config_file;       /* the file that was read (NULL: none); not a setting */
 };
 
 /* Fills *cfg with the defaults of the table. */

@@ -21,10 +21,12 @@
 #include "proto/frame.h"
 
 /* Tensor roles, in the order of struct job's region slots. */
-enum tensor_role { T_X, T_Y, T_MEAN, T_RSTD, T_GAMMA, T_BETA, T_DY, T_DX, T_DGAMMA, T_DBETA };
+enum tensor_role {
+	T_X, T_Y, T_MEAN, T_RSTD, T_GAMMA, T_BETA, T_DY, T_DX, T_DGAMMA, T_DBETA, T_MAIN_GRAD,
+};
 
 static const char *const role_names[JOB_MAX_TENSORS] = {
-	"x", "y", "mean", "rstd", "gamma", "beta", "dy", "dx", "dgamma", "dbeta",
+	"x", "y", "mean", "rstd", "gamma", "beta", "dy", "dx", "dgamma", "dbeta", "main_grad",
 };
 
 /* What an op does with each role: unused, required, optional. */
@@ -37,19 +39,23 @@ struct op_rules {
 	enum use use[JOB_MAX_TENSORS];
 };
 
-/* Row: x, y, mean, rstd, gamma, beta, dy, dx, dgamma, dbeta. */
+/* Row: x, y, mean, rstd, gamma, beta, dy, dx, dgamma, dbeta, main_grad. */
 static const struct op_rules rules_ln_fwd = {
 	NK_LAYERNORM_FWD, "LAYERNORM_FWD", false,
-	{U_REQ, U_REQ, U_OPT, U_OPT, U_OPT, U_OPT, U_NONE, U_NONE, U_NONE, U_NONE}};
+	{U_REQ, U_REQ, U_OPT, U_OPT, U_OPT, U_OPT, U_NONE, U_NONE, U_NONE, U_NONE, U_NONE}};
 static const struct op_rules rules_rms_fwd = {
 	NK_RMSNORM_FWD, "RMSNORM_FWD", false,
-	{U_REQ, U_REQ, U_NONE, U_OPT, U_OPT, U_NONE, U_NONE, U_NONE, U_NONE, U_NONE}};
+	{U_REQ, U_REQ, U_NONE, U_OPT, U_OPT, U_NONE, U_NONE, U_NONE, U_NONE, U_NONE, U_NONE}};
 static const struct op_rules rules_ln_bwd = {
 	NK_LAYERNORM_BWD, "LAYERNORM_BWD", true,
-	{U_REQ, U_NONE, U_REQ, U_REQ, U_OPT, U_OPT, U_REQ, U_REQ, U_OPT, U_OPT}};
+	{U_REQ, U_NONE, U_REQ, U_REQ, U_OPT, U_OPT, U_REQ, U_REQ, U_OPT, U_OPT, U_NONE}};
 static const struct op_rules rules_rms_bwd = {
 	NK_RMSNORM_BWD, "RMSNORM_BWD", true,
-	{U_REQ, U_NONE, U_NONE, U_REQ, U_OPT, U_NONE, U_REQ, U_REQ, U_OPT, U_NONE}};
+	{U_REQ, U_NONE, U_NONE, U_REQ, U_OPT, U_NONE, U_REQ, U_REQ, U_OPT, U_NONE, U_NONE}};
+/* nk_op is unused for this one: the job goes to the GEMM, not the norm kernels. */
+static const struct op_rules rules_wgrad = {
+	NK_LAYERNORM_FWD, "WGRAD_ACCUM", false,
+	{U_REQ, U_NONE, U_NONE, U_NONE, U_NONE, U_NONE, U_REQ, U_NONE, U_NONE, U_NONE, U_REQ}};
 
 static const struct op_rules *rules_for(Normd__Op op)
 {
@@ -62,6 +68,8 @@ static const struct op_rules *rules_for(Normd__Op op)
 		return &rules_ln_bwd;
 	case NORMD__OP__RMSNORM_BWD:
 		return &rules_rms_bwd;
+	case NORMD__OP__WGRAD_ACCUM:
+		return &rules_wgrad;
 	default:
 		return NULL;
 	}
@@ -100,15 +108,20 @@ static int job_refuse(struct job *job, int status, const char *fmt, ...)
 static Normd__Tensor *job_tensor(const Normd__Job *msg, enum tensor_role role)
 {
 	Normd__Tensor *const tensors[JOB_MAX_TENSORS] = {
-		msg->x, msg->y, msg->mean, msg->rstd, msg->gamma,
-		msg->beta, msg->dy, msg->dx, msg->dgamma, msg->dbeta,
+		msg->x,	   msg->y,  msg->mean,	 msg->rstd,  msg->gamma,     msg->beta,
+		msg->dy,   msg->dx, msg->dgamma, msg->dbeta, msg->main_grad,
 	};
 	return tensors[role];
 }
 
-/* Elements of a role for a rows x cols job. */
-static uint64_t role_elems(enum tensor_role role, uint64_t rows, uint64_t cols)
+/* Elements of a role (overflow was ruled out by job_check_shape). */
+static uint64_t role_elems(const struct job *job, enum tensor_role role)
 {
+	uint64_t rows = (uint64_t)job->args.rows, cols = (uint64_t)job->args.cols;
+	if (job->wgrad) {
+		uint64_t out = (uint64_t)job->gemm.out;
+		return role == T_X ? rows * cols : role == T_DY ? rows * out : out * cols;
+	}
 	switch (role) {
 	case T_MEAN:
 	case T_RSTD:
@@ -119,12 +132,15 @@ static uint64_t role_elems(enum tensor_role role, uint64_t rows, uint64_t cols)
 	case T_DBETA:
 		return cols;
 	default:
-		return rows * cols; /* overflow was ruled out by job_check_shape */
+		return rows * cols;
 	}
 }
 
-static size_t role_elem_size(enum tensor_role role, const struct nk_norm_args *a)
+static size_t role_elem_size(const struct job *job, enum tensor_role role)
 {
+	const struct nk_norm_args *a = &job->args;
+	if (role == T_MAIN_GRAD)
+		return nk_dtype_size(job->gemm.grad_dtype);
 	if (role == T_MEAN || role == T_RSTD)
 		return sizeof(float);
 	if (role == T_GAMMA || role == T_BETA || role == T_DGAMMA || role == T_DBETA)
@@ -151,6 +167,37 @@ static int job_check_shape(struct job *job, const Normd__Job *msg, const struct 
 	if (!(eps > 0.0f) || !isfinite(eps))
 		return job_refuse(job, NC_EINVALID_ARGUMENT,
 				  "eps must be positive and finite (got %g)", (double)eps);
+	if (msg->op != NORMD__OP__WGRAD_ACCUM)
+		return 0;
+	uint64_t out = msg->has_out_features ? msg->out_features : 0, a, b;
+	if (out == 0)
+		return job_refuse(job, NC_EINVALID_ARGUMENT,
+				  "WGRAD_ACCUM needs out_features of at least 1 (got 0)");
+	if (out > INT64_MAX || __builtin_mul_overflow(msg->rows, out, &a) || a > INT64_MAX / 8 ||
+	    __builtin_mul_overflow(out, msg->cols, &b) || b > INT64_MAX / 8)
+		return job_refuse(job, NC_EOUT_OF_RANGE,
+				  "tokens*out or out*in overflows (tokens %llu, in %llu, out %llu)",
+				  (unsigned long long)msg->rows, (unsigned long long)msg->cols,
+				  (unsigned long long)out);
+	return 0;
+}
+
+/* WGRAD_ACCUM's own fields: the output width, main_grad's dtype, beta. */
+static int job_check_wgrad(struct job *job, const Normd__Job *msg)
+{
+	struct nk_wgrad_args *g = &job->gemm;
+	job->wgrad = true;
+	g->tokens = (int64_t)msg->rows;
+	g->in = (int64_t)msg->cols;
+	g->out = (int64_t)msg->out_features;
+	g->dtype = job->args.dtype;
+	/* main_grad is fp32 unless the job names its dtype. */
+	g->grad_dtype = msg->has_weight_dtype ? job->args.weight_dtype : NK_F32;
+	if (msg->gemm_beta > 1)
+		return job_refuse(job, NC_EINVALID_ARGUMENT,
+				  "gemm_beta must be 0 (overwrite) or 1 (accumulate), got %u",
+				  msg->gemm_beta);
+	g->beta = (float)msg->gemm_beta;
 	return 0;
 }
 
@@ -168,7 +215,8 @@ static int job_check_types(struct job *job, const Normd__Job *msg, const struct 
 		return job_refuse(job, NC_EUNSUPPORTED,
 				  "weight_dtype %s with dtype %s: weights must match dtype or be f32",
 				  nk_dtype_name(a->weight_dtype), nk_dtype_name(a->dtype));
-	if (!r->backward && (msg->memory_efficient || msg->accumulate))
+	if (!r->backward && (msg->memory_efficient || msg->accumulate) &&
+	    msg->op != NORMD__OP__WGRAD_ACCUM)
 		return job_refuse(job, NC_EINVALID_ARGUMENT,
 				  "memory_efficient and accumulate apply to backward ops, not %s",
 				  r->name);
@@ -186,9 +234,9 @@ static int job_bind_tensor(struct job *job, struct client *c, const Normd__Tenso
 				  "tensor %s: region %llu is not registered on this connection",
 				  name, (unsigned long long)t->region_id);
 	uint64_t bytes, end;
-	uint64_t elems = role_elems(role, job->args.rows, job->args.cols);
+	uint64_t elems = role_elems(job, role);
 	uint64_t offset = t->has_offset ? t->offset : 0;
-	if (__builtin_mul_overflow(elems, (uint64_t)role_elem_size(role, &job->args), &bytes) ||
+	if (__builtin_mul_overflow(elems, (uint64_t)role_elem_size(job, role), &bytes) ||
 	    __builtin_add_overflow(offset, bytes, &end) || end > region->size)
 		return job_refuse(job, NC_EOUT_OF_RANGE,
 				  "tensor %s: offset %llu + %llu elements runs past region %llu "
@@ -239,6 +287,7 @@ static int job_bind_tensors(struct job *job, struct client *c, const Normd__Job 
 	a->dx = (void *)ptr[T_DX];
 	a->dgamma = (void *)ptr[T_DGAMMA];
 	a->dbeta = (void *)ptr[T_DBETA];
+	job->main_grad = (void *)ptr[T_MAIN_GRAD];
 	return 0;
 }
 
@@ -250,6 +299,14 @@ static int job_validate(struct job *job, struct client *c, const Normd__Job *msg
 				  (int)msg->op);
 	if (job_check_shape(job, msg, c->srv->cfg) || job_check_types(job, msg, r))
 		return job->status;
+	if (msg->op == NORMD__OP__WGRAD_ACCUM) {
+		if ((msg->memory_efficient || msg->accumulate))
+			return job_refuse(job, NC_EINVALID_ARGUMENT,
+					  "WGRAD_ACCUM takes gemm_beta, not memory_efficient or "
+					  "accumulate");
+		if (job_check_wgrad(job, msg))
+			return job->status;
+	}
 	struct nk_norm_args *a = &job->args;
 	a->op = r->nk_op;
 	a->rows = (int64_t)msg->rows;
@@ -264,6 +321,14 @@ static int job_validate(struct job *job, struct client *c, const Normd__Job *msg
 	if (job_bind_tensors(job, c, msg, &adjusted))
 		return job->status;
 	const char *why = NULL;
+	if (job->wgrad) {
+		job->gemm.x = a->x;
+		job->gemm.dy = a->dy;
+		job->gemm.main_grad = job->main_grad;
+		if (nk_wgrad_check(&job->gemm, &why) != NK_OK)
+			return job_refuse(job, NC_EINVALID_ARGUMENT, "%s", why);
+		return 0;
+	}
 	if (nk_norm_check(a, &why) != NK_OK)
 		return job_refuse(job, NC_EINVALID_ARGUMENT, "%s", why ? why : "invalid job");
 	return 0;

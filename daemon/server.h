@@ -27,12 +27,13 @@
 
 #include "daemon/config.h"
 #include "kernels/norm_kernels.h"
+#include "kernels/wgrad.h"
 #include "normclient.h"
 #include "normd.pb-c.h"
 
 #define NORMD_VERSION "0.1.0"
 #define CLIENT_MAX_PENDING_FDS 8 /* fds received but not yet claimed by a frame */
-#define JOB_MAX_TENSORS 10
+#define JOB_MAX_TENSORS 11
 
 struct backend;
 struct client;
@@ -150,7 +151,10 @@ struct job {
 	uint64_t request_id;
 	Normd__Op op;
 	int device;                  /* where its regions live (-1: host) */
+	bool wgrad;                  /* WGRAD_ACCUM: `gemm` holds it, not `args` */
 	struct nk_norm_args args;    /* pointers resolved into the regions below */
+	struct nk_wgrad_args gemm;
+	void *main_grad;             /* WGRAD_ACCUM's output, resolved */
 	struct region *regions[JOB_MAX_TENSORS]; /* one reference each */
 	unsigned region_count;
 	uint64_t bytes;              /* bytes the job reads and writes */

@@ -76,7 +76,8 @@ static uint16_t round_to_short_float(double d, int ebits, int mbits)
 	uint16_t inf = (uint16_t)(((1u << ebits) - 1) << mbits);
 
 	if (dexp == 0x7ff && dmant != 0) /* NaN: keep the top payload, set quiet */
-		return sign | inf | (uint16_t)(1u << (mbits - 1)) | (uint16_t)(dmant >> (52 - mbits));
+		return sign | inf | (uint16_t)(1u << (mbits - 1)) |
+		       (uint16_t)(dmant >> (52 - mbits));
 	if (dexp == 0x7ff)
 		return sign | inf;
 	/* Zero and double subnormals lie far below half the smallest target

@@ -61,15 +61,15 @@ struct cpu_job {
 	const struct nk_norm_args *args;
 	const struct cpu_kernels *kernels;
 	int64_t rows, cols;
-	int64_t nblocks;     /* blocks of consecutive rows, see block_rows() */
-	bool layernorm;      /* LayerNorm, not RMSNorm */
-	bool backward;       /* a backward op */
-	bool mem_eff;        /* backward reads y and recomputes x_hat */
-	void *gamma;         /* [cols] gamma, or ones when absent */
-	void *beta;          /* [cols] beta, or zeros when absent */
-	void *gamma_div;     /* [cols] clamp(gamma), divides y (mem-eff only) */
-	void *part_dgamma;   /* [nblocks][cols] per-block sums of dy*xh, or NULL */
-	void *part_dbeta;    /* [nblocks][cols] per-block sums of dy, or NULL */
+	int64_t nblocks;	 /* blocks of consecutive rows, see block_rows() */
+	bool layernorm;		 /* LayerNorm, not RMSNorm */
+	bool backward;		 /* a backward op */
+	bool mem_eff;		 /* backward reads y and recomputes x_hat */
+	void *gamma;		 /* [cols] gamma, or ones when absent */
+	void *beta;		 /* [cols] beta, or zeros when absent */
+	void *gamma_div;	 /* [cols] clamp(gamma), divides y (mem-eff only) */
+	void *part_dgamma;	 /* [nblocks][cols] per-block sums of dy*xh, or NULL */
+	void *part_dbeta;	 /* [nblocks][cols] per-block sums of dy, or NULL */
 	atomic_llong next_block; /* the next block a worker takes */
 };
 
@@ -215,8 +215,8 @@ static unsigned char *job_alloc(struct cpu_job *job, int nworkers, size_t *scrat
 		parts++;
 	/* cols < 2^32 and real_size <= 8 keep these products far below 2^64. */
 	*scratch_bytes = SCRATCH_ROWS * row_bytes;
-	size_t total = (3 + parts * (size_t)job->nblocks) * row_bytes +
-		       (size_t)nworkers * *scratch_bytes;
+	size_t total =
+	    (3 + parts * (size_t)job->nblocks) * row_bytes + (size_t)nworkers * *scratch_bytes;
 	p = malloc(total);
 	*block = p;
 	if (!p)
@@ -567,10 +567,10 @@ static void RNAME(finish)(struct cpu_job *job, void *scratch)
 }
 
 static const struct cpu_kernels RNAME(kernels) = {
-	.real_size = sizeof(REAL),
-	.prepare = RNAME(prepare),
-	.run_block = RNAME(run_block),
-	.finish = RNAME(finish),
+    .real_size = sizeof(REAL),
+    .prepare = RNAME(prepare),
+    .run_block = RNAME(run_block),
+    .finish = RNAME(finish),
 };
 
 #endif /* NORM_CPU_BODY */

@@ -127,8 +127,17 @@ __device__ __forceinline__ void write_partials(const Params &p, int64_t prow, co
 	}
 }
 
-template <typename T, typename W, int NV>
-__global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tiled(const Params p)
+/*
+ * sm_80 gets at most 256 threads a block (the variant rules keep to that):
+ * with 512 its register file leaves too little for two vectors a thread.
+ */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define BWD_LAUNCH_BOUNDS __launch_bounds__(BWD_MAX_THREADS_SM80, 1)
+#else
+#define BWD_LAUNCH_BOUNDS __launch_bounds__(MAX_THREADS, 1)
+#endif
+
+template <typename T, typename W, int NV> __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	constexpr int E = NV * VEC;

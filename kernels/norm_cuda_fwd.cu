@@ -4,9 +4,8 @@
  * A group of G threads owns a row; thread t of the group holds vectors
  * (j * K + rank) * G + t, j < NV, of the row in registers (16-byte loads that
  * bypass L1 as streaming data), so x is read from device memory exactly once.
- * LayerNorm statistics come from one reduction of per-thread (count, mean,
- * M2) triples merged with Chan's formula, which is as robust as two passes;
- * RMSNorm reduces the sum of squares. While a row is reduced, the next row
+ * LayerNorm statistics are those of two passes over the registers (mean,
+ * then squared deviations; row_stats); RMSNorm reduces the sum of squares. While a row is reduced, the next row
  * the group owns is already being loaded. The grid is persistent: as many
  * blocks as are resident on the device, striding over row groups.
  *
@@ -37,10 +36,16 @@ __device__ __forceinline__ void load_row(const Params &p, int64_t row, bool vali
 	(void)VEC;
 }
 
-/* This thread's statistics of a row, reduced over its row group. */
+/*
+ * The statistics of a row, reduced over its row group. `parity` flips with
+ * every reduction (see group_reduce). LayerNorm on a single block takes two
+ * cheap sum reductions (the mean, then the sum of squared deviations); a
+ * cluster, whose barriers cost more, takes one reduction of (count, mean,
+ * M2) triples merged with Chan's formula. Both are as robust as two passes.
+ */
 template <typename T, int NV>
 __device__ __forceinline__ void row_stats(const Params &p, const float *x, const int *vi,
-					  RedSmem &sm, int parity, float *mean, float *rstd)
+					  RedSmem &sm, int &parity, float *mean, float *rstd)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	if (!(p.f & F_LN)) {
@@ -49,6 +54,7 @@ __device__ __forceinline__ void row_stats(const Params &p, const float *x, const
 		for (int e = 0; e < NV * VEC; e++)
 			q[0] += x[e] * x[e];
 		group_reduce<SumOp<1>>(q, p.G, p.K, sm, parity);
+		parity ^= 1;
 		*mean = 0.0f;
 		*rstd = rsqrtf(q[0] * p.inv_cols + p.eps);
 		return;
@@ -63,7 +69,14 @@ __device__ __forceinline__ void row_stats(const Params &p, const float *x, const
 				s += x[j * VEC + i];
 		}
 	}
-	float w[3] = {n, n > 0.0f ? __fdividef(s, n) : 0.0f, 0.0f};
+	float w[3] = {n, s, 0.0f};
+	if (p.K == 1) {
+		group_reduce<SumOp<1>>(&w[1], p.G, 1, sm, parity);
+		parity ^= 1;
+		w[1] *= p.inv_cols;
+	} else if (n > 0.0f) {
+		w[1] = __fdividef(s, n);
+	}
 #pragma unroll
 	for (int j = 0; j < NV; j++) {
 		if (vi[j] < p.nvec) {
@@ -74,7 +87,11 @@ __device__ __forceinline__ void row_stats(const Params &p, const float *x, const
 			}
 		}
 	}
-	group_reduce<WelfordOp>(w, p.G, p.K, sm, parity);
+	if (p.K == 1)
+		group_reduce<SumOp<1>>(&w[2], p.G, 1, sm, parity);
+	else
+		group_reduce<WelfordOp>(w, p.G, p.K, sm, parity);
+	parity ^= 1;
 	*mean = w[1];
 	*rstd = rsqrtf(w[2] * p.inv_cols + p.eps);
 }
@@ -156,7 +173,6 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) fwd_tiled(const Params p)
 #pragma unroll
 		for (int j = 0; j < NV; j++)
 			cur[j] = nxt[j];
-		parity ^= 1;
 	}
 	cluster_done(p.K);
 }

@@ -276,6 +276,14 @@ template <class Op> __device__ __forceinline__ void butterfly(float *v, int widt
 	}
 }
 
+/* Gives every lane of the warp lane 0's v. */
+template <int N> __device__ __forceinline__ void broadcast_lane0(float *v)
+{
+#pragma unroll
+	for (int i = 0; i < N; i++)
+		v[i] = __shfl_sync(0xffffffffu, v[i], 0);
+}
+
 /* The smallest power of two >= n (n <= 32). */
 __device__ __forceinline__ int lanes_for(int n)
 {
@@ -285,7 +293,7 @@ __device__ __forceinline__ int lanes_for(int n)
 /*
  * The cluster level of group_reduce: every block publishes its value, and
  * lane r of every warp fetches block r's, then a butterfly merges them in
- * rank order. sm_90 only; the launchers never ask for K > 1 elsewhere.
+ * rank order and lane 0 hands the result to the whole warp. sm_90 only; the launchers never ask for K > 1 elsewhere.
  */
 template <class Op>
 __device__ __forceinline__ void cluster_reduce(float *v, int K, RedSmem &sm, int parity)
@@ -304,6 +312,7 @@ __device__ __forceinline__ void cluster_reduce(float *v, int K, RedSmem &sm, int
 	for (int i = 0; i < Op::n; i++)
 		v[i] = lane < K ? r[i] : 0.0f;
 	butterfly<Op>(v, K);
+	broadcast_lane0<Op::n>(v);
 #else
 	(void)v;
 	(void)K;
@@ -354,6 +363,7 @@ __device__ __forceinline__ void group_reduce(float *v, int G, int K, RedSmem &sm
 		for (int i = 0; i < N; i++)
 			v[i] = lane < nw ? sm.warp[parity][first + lane][i] : 0.0f;
 		butterfly<Op>(v, lanes_for(nw));
+		broadcast_lane0<N>(v);
 	}
 	if (K > 1)
 		cluster_reduce<Op>(v, K, sm, parity);
@@ -452,8 +462,9 @@ template <int MAXE, int VEC, class F> static inline int with_nv(int nv, F &&f)
  */
 constexpr int FWD_MAX_ELEMS = 32;
 constexpr int BWD_MAX_NV = 2;
-/* Threads per block of the tiled kernels, at most. */
+/* Threads per block of the tiled kernels, at most; backward on sm_80. */
 constexpr int MAX_THREADS = 512;
+constexpr int BWD_MAX_THREADS_SM80 = 256;
 
 } /* namespace nkc */
 

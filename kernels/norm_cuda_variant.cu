@@ -139,6 +139,12 @@ static int pow2_ceil(int64_t n)
 	return p;
 }
 
+/* Threads a tiled block may have for this job on this device. */
+static int block_limit(const struct nk_norm_args *a, const struct nk_device_info *dev)
+{
+	return is_bwd(a) && dev->cc_major < 9 ? BWD_MAX_THREADS_SM80 : MAX_THREADS;
+}
+
 /* Backward grid cap of a tiled shape, from the reference device. */
 static int bwd_units_cap(int threads, int elems, int K)
 {
@@ -167,6 +173,10 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 
 	if (!tiled_layout_ok(a))
 		return false;
+	if (block_max > block_limit(a, dev))
+		block_max = block_limit(a, dev);
+	if (warp_threads > block_limit(a, dev))
+		warp_threads = block_limit(a, dev);
 	if (nvec <= 32 * (int64_t)nv) {
 		G = pow2_ceil((nvec + nv - 1) / nv);
 		nv = pow2_ceil((nvec + G - 1) / G);
@@ -215,7 +225,7 @@ static bool tiled_fits(const struct nk_norm_args *a, const struct nk_device_info
 		return false;
 	if (s.NV < 1 || s.NV > max_nv(a) || (s.NV & (s.NV - 1)) != 0)
 		return false;
-	if (s.threads < 32 || s.threads > MAX_THREADS || s.threads % 32 != 0 ||
+	if (s.threads < 32 || s.threads > block_limit(a, dev) || s.threads % 32 != 0 ||
 	    s.threads % s.R != 0)
 		return false;
 	if (s.K != 1 && s.K != 2 && s.K != 4 && s.K != 8)

@@ -7,7 +7,7 @@ B=${1:-build}
 dir=$(mktemp -d /tmp/normd-run.XXXXXX)
 sock="$dir/normd.sock"
 device=${NORMD_DEVICE:-cpu}
-"$B/bin/normd" --device "$device" --socket "$sock" --log-level warn 2>"$dir/normd.log" &
+"$B/bin/normd" --config /dev/null --device "$device" --socket "$sock" --log-level warn 2>"$dir/normd.log" &
 pid=$!
 i=0
 while [ ! -S "$sock" ] && [ $i -lt 100 ]; do

@@ -34,6 +34,7 @@ for t in "$B"/tests/integration/test_*; do
 	[ -x "$t" ] && run_one "integration/$(basename "$t")" 300 "$t"
 done
 run_one "demo" 120 sh tests/run-demo.sh "$B"
+run_one "stress/normstress" 120 sh tests/stress/normstress.sh "$B"
 
 rm -rf "$logdir"
 [ -n "$failed_names" ] && echo "failed:$failed_names"

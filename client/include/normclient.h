@@ -167,6 +167,7 @@ enum nc_op {
 	NC_LAYERNORM_BWD = 2,
 	NC_RMSNORM_FWD = 3,
 	NC_RMSNORM_BWD = 4,
+	NC_WGRAD_ACCUM = 5,
 };
 
 enum nc_dtype {
@@ -178,6 +179,7 @@ enum nc_dtype {
 enum nc_job_flags {
 	NC_MEMORY_EFFICIENT = 1u << 0, /* backward reads y (in .x) instead of x */
 	NC_ACCUMULATE = 1u << 1,       /* dgamma/dbeta += instead of = */
+	NC_OVERWRITE = 1u << 2,        /* NC_WGRAD_ACCUM: main_grad = instead of += */
 };
 
 /* A tensor is a byte offset into a registered region; region 0 means absent. */
@@ -194,6 +196,10 @@ struct nc_tensor {
  *                     NC_MEMORY_EFFICIENT), rstd, gamma?, beta?
  *                     out: dx, dgamma?, dbeta?
  *   NC_RMSNORM_BWD    in: dy, x (or y), rstd, gamma?   out: dx, dgamma?
+ *   NC_WGRAD_ACCUM    main_grad[out, in] += dy^T x  (= with NC_OVERWRITE), with
+ *                     rows = tokens, cols = in, out_features = out; x is
+ *                     [tokens, in] and dy [tokens, out] of `dtype`, main_grad
+ *                     [out, in] of `weight_dtype` (0 here means NC_F32).
  * x, y, dy, dx are [rows, cols] of `dtype`; gamma, beta, dgamma, dbeta are
  * [cols] of `weight_dtype` (0: same as dtype; else NC_F32); mean and rstd
  * are [rows] of fp32. eps 0 means the default 1e-5.
@@ -208,6 +214,8 @@ struct nc_job {
 	unsigned flags;       /* enum nc_job_flags */
 	uint64_t deadline_us; /* 0: none */
 	struct nc_tensor x, y, mean, rstd, gamma, beta, dy, dx, dgamma, dbeta;
+	uint64_t out_features;      /* NC_WGRAD_ACCUM only */
+	struct nc_tensor main_grad; /* NC_WGRAD_ACCUM only */
 };
 
 /* A tensor at host pointer `ptr` inside `region`'s local mapping. */

@@ -11,7 +11,7 @@
 
 /* Keeps the Tensor messages of one job on the caller's stack. */
 struct job_tensors {
-	Normd__Tensor t[10];
+	Normd__Tensor t[11];
 };
 
 static Normd__Tensor *tensor_msg(Normd__Tensor *slot, struct nc_tensor t)
@@ -55,6 +55,12 @@ static void job_to_msg(const struct nc_job *job, Normd__Job *msg, struct job_ten
 	msg->dx = tensor_msg(&ts->t[7], job->dx);
 	msg->dgamma = tensor_msg(&ts->t[8], job->dgamma);
 	msg->dbeta = tensor_msg(&ts->t[9], job->dbeta);
+	if (job->op == NC_WGRAD_ACCUM) {
+		msg->has_out_features = msg->has_gemm_beta = true;
+		msg->out_features = job->out_features;
+		msg->gemm_beta = (job->flags & NC_OVERWRITE) ? 0 : 1;
+		msg->main_grad = tensor_msg(&ts->t[10], job->main_grad);
+	}
 }
 
 NC_API int nc_job_submit(nc_conn *conn, const struct nc_job *job, uint64_t *request_id)

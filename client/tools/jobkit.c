@@ -11,12 +11,13 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/norm_kernels.h"
+#include "kernels/wgrad.h"
 
-#define JK_ROLES 10
+#define JK_ROLES 11
 #define JK_ALIGN 64
 
 static const char *const role_names[JK_ROLES] = {
-	"x", "y", "mean", "rstd", "gamma", "beta", "dy", "dx", "dgamma", "dbeta",
+	"x", "y", "mean", "rstd", "gamma", "beta", "dy", "dx", "dgamma", "dbeta", "main_grad",
 };
 
 const char *jobkit_role_name(int role)
@@ -35,6 +36,8 @@ const char *jobkit_op_name(enum nc_op op)
 		return "rmsnorm_fwd";
 	case NC_RMSNORM_BWD:
 		return "rmsnorm_bwd";
+	case NC_WGRAD_ACCUM:
+		return "wgrad_accum";
 	}
 	return "?";
 }
@@ -83,6 +86,11 @@ static bool op_is_backward(enum nc_op op)
 	return op == NC_LAYERNORM_BWD || op == NC_RMSNORM_BWD;
 }
 
+static bool op_is_wgrad(enum nc_op op)
+{
+	return op == NC_WGRAD_ACCUM;
+}
+
 static bool op_is_layernorm(enum nc_op op)
 {
 	return op == NC_LAYERNORM_FWD || op == NC_LAYERNORM_BWD;
@@ -93,6 +101,10 @@ static void jobkit_roles(const struct jobkit_spec *s, bool used[JK_ROLES])
 {
 	bool bwd = op_is_backward(s->op), ln = op_is_layernorm(s->op);
 	memset(used, 0, JK_ROLES * sizeof(bool));
+	if (op_is_wgrad(s->op)) {
+		used[JK_X] = used[JK_DY] = used[JK_MAIN_GRAD] = true;
+		return;
+	}
 	used[JK_X] = used[JK_RSTD] = true;
 	used[JK_GAMMA] = s->gamma;
 	used[JK_BETA] = ln && s->gamma && s->beta;
@@ -103,10 +115,22 @@ static void jobkit_roles(const struct jobkit_spec *s, bool used[JK_ROLES])
 	used[JK_DBETA] = bwd && ln && s->gamma && s->beta;
 }
 
+/* main_grad's dtype, or gamma's: weight_dtype, defaulting to f32 for the GEMM. */
+static enum nc_dtype weight_dtype_of(const struct jobkit_spec *s)
+{
+	if (s->weight_dtype)
+		return s->weight_dtype;
+	return op_is_wgrad(s->op) ? NC_F32 : s->dtype;
+}
+
 static size_t role_bytes(const struct jobkit_spec *s, int role)
 {
-	enum nc_dtype w = s->weight_dtype ? s->weight_dtype : s->dtype;
+	enum nc_dtype w = weight_dtype_of(s);
 	size_t esize = nk_dtype_size(nk_dtype_of(s->dtype)), wsize = nk_dtype_size(nk_dtype_of(w));
+	if (op_is_wgrad(s->op))
+		return role == JK_X	 ? s->rows * s->cols * esize
+		       : role == JK_DY ? s->rows * s->out_features * esize
+				       : s->out_features * s->cols * wsize;
 	switch (role) {
 	case JK_MEAN:
 	case JK_RSTD:
@@ -123,10 +147,11 @@ static size_t role_bytes(const struct jobkit_spec *s, int role)
 
 static enum nk_dtype role_dtype(const struct jobkit_spec *s, int role)
 {
-	enum nc_dtype w = s->weight_dtype ? s->weight_dtype : s->dtype;
+	enum nc_dtype w = weight_dtype_of(s);
 	if (role == JK_MEAN || role == JK_RSTD)
 		return NK_F32;
-	if (role == JK_GAMMA || role == JK_BETA || role == JK_DGAMMA || role == JK_DBETA)
+	if (role == JK_GAMMA || role == JK_BETA || role == JK_DGAMMA || role == JK_DBETA ||
+	    role == JK_MAIN_GRAD)
 		return nk_dtype_of(w);
 	return nk_dtype_of(s->dtype);
 }
@@ -140,6 +165,15 @@ static void fill_random(void *buf, enum nk_dtype dtype, size_t n, uint64_t *stat
 			v = -v;
 		nk_store(dtype, buf, i, v);
 	}
+}
+
+static bool is_output(const struct jobkit_spec *s, int role)
+{
+	if (op_is_wgrad(s->op))
+		return role == JK_MAIN_GRAD;
+	if (op_is_backward(s->op))
+		return role == JK_DX || role == JK_DGAMMA || role == JK_DBETA;
+	return role == JK_Y || role == JK_MEAN || role == JK_RSTD;
 }
 
 /* Arguments for the op over the given tensor pointers. */
@@ -221,21 +255,21 @@ static void jobkit_fill(struct jobkit *kit, const bool used[JK_ROLES])
 		fill_random(kit->ptr[JK_BETA], role_dtype(s, JK_BETA), s->cols, &state, -0.5, 0.5,
 			    false);
 	if (used[JK_DY])
-		fill_random(kit->ptr[JK_DY], role_dtype(s, JK_DY), s->rows * s->cols, &state, -1.0,
+		fill_random(kit->ptr[JK_DY], role_dtype(s, JK_DY),
+			    kit->bytes[JK_DY] / nk_dtype_size(role_dtype(s, JK_DY)), &state, -1.0,
 			    1.0, false);
 	/* Outputs: poison (all-ones bytes are NaN in every float type). */
 	for (int role = 0; role < JK_ROLES; role++) {
-		bool output = role == JK_DX || role == JK_DGAMMA || role == JK_DBETA ||
-			      (!op_is_backward(s->op) &&
-			       (role == JK_Y || role == JK_MEAN || role == JK_RSTD));
-		if (used[role] && output)
+		if (used[role] && is_output(s, role))
 			memset(kit->ptr[role], 0xff, kit->bytes[role]);
 	}
-	/* Accumulate: start dgamma/dbeta from random values and remember them. */
-	for (int role = JK_DGAMMA; s->accumulate && role <= JK_DBETA; role++) {
+	/* Accumulate: start the accumulated outputs from random values, and remember them. */
+	for (int role = JK_DGAMMA; s->accumulate && role <= JK_MAIN_GRAD; role++) {
 		if (!used[role])
 			continue;
-		fill_random(kit->ptr[role], role_dtype(s, role), s->cols, &state, -1.0, 1.0, false);
+		fill_random(kit->ptr[role], role_dtype(s, role),
+			    kit->bytes[role] / nk_dtype_size(role_dtype(s, role)), &state, -1.0, 1.0,
+			    false);
 		kit->initial[role] = malloc(kit->bytes[role]);
 		if (kit->initial[role])
 			memcpy(kit->initial[role], kit->ptr[role], kit->bytes[role]);
@@ -245,8 +279,8 @@ static void jobkit_fill(struct jobkit *kit, const bool used[JK_ROLES])
 static struct nc_tensor *job_tensor(struct nc_job *job, int role)
 {
 	struct nc_tensor *const tensors[JK_ROLES] = {
-		&job->x, &job->y, &job->mean, &job->rstd, &job->gamma,
-		&job->beta, &job->dy, &job->dx, &job->dgamma, &job->dbeta,
+		&job->x,  &job->y,  &job->mean,	  &job->rstd,  &job->gamma,	 &job->beta,
+		&job->dy, &job->dx, &job->dgamma, &job->dbeta, &job->main_grad,
 	};
 	return tensors[role];
 }
@@ -272,8 +306,11 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 	size_t offsets[JK_ROLES] = {0}, total = 0;
 	memset(kit, 0, sizeof(*kit));
 	kit->spec = *spec;
-	if (!op_is_backward(spec->op)) /* the backward-only flags mean nothing here */
-		kit->spec.memory_efficient = kit->spec.accumulate = false;
+	/* Flags that mean nothing for the op are dropped. */
+	if (!op_is_backward(spec->op))
+		kit->spec.memory_efficient = false;
+	if (!op_is_backward(spec->op) && !op_is_wgrad(spec->op))
+		kit->spec.accumulate = false;
 	spec = &kit->spec;
 	jobkit_roles(spec, used);
 	for (int role = 0; role < JK_ROLES; role++) {
@@ -299,6 +336,10 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 	job->weight_dtype = spec->weight_dtype;
 	job->flags = (spec->memory_efficient ? NC_MEMORY_EFFICIENT : 0u) |
 		     (spec->accumulate ? NC_ACCUMULATE : 0u);
+	if (op_is_wgrad(spec->op)) {
+		job->flags = spec->accumulate ? 0u : NC_OVERWRITE;
+		job->out_features = spec->out_features;
+	}
 	char *base = spec->on_device ? kit->staging : nc_region_data(kit->region);
 	for (int role = 0; role < JK_ROLES; role++) {
 		if (!used[role])
@@ -333,13 +374,6 @@ void jobkit_destroy(struct jobkit *kit)
 }
 
 /* ---- checking ------------------------------------------------------------------ */
-
-static bool is_output(const struct jobkit_spec *s, int role)
-{
-	if (op_is_backward(s->op))
-		return role == JK_DX || role == JK_DGAMMA || role == JK_DBETA;
-	return role == JK_Y || role == JK_MEAN || role == JK_RSTD;
-}
 
 /* Compares one output; updates the report. */
 static void compare_output(const struct jobkit *kit, int role, const void *ref,
@@ -390,6 +424,26 @@ static void compare_output(const struct jobkit *kit, int role, const void *ref,
 	}
 }
 
+/* Runs the reference over `ptr` (the kit's inputs, fresh outputs). */
+static int jobkit_reference(const struct jobkit *kit, void *const ptr[JK_ROLES],
+			    const struct nk_cpu_opts *opts)
+{
+	const struct jobkit_spec *s = &kit->spec;
+	if (op_is_wgrad(s->op)) {
+		struct nk_wgrad_args g = {
+			.tokens = (int64_t)s->rows, .in = (int64_t)s->cols,
+			.out = (int64_t)s->out_features, .dtype = nk_dtype_of(s->dtype),
+			.grad_dtype = role_dtype(s, JK_MAIN_GRAD), .beta = s->accumulate ? 1.0f : 0.0f,
+			.x = ptr[JK_X], .dy = ptr[JK_DY], .main_grad = ptr[JK_MAIN_GRAD],
+		};
+		return nk_cpu_wgrad(&g, opts);
+	}
+	struct nk_norm_args a;
+	struct nk_norm_result res;
+	jobkit_args(kit, ptr, &a);
+	return nk_cpu_norm(&a, opts, &res);
+}
+
 bool jobkit_check(const struct jobkit *kit, struct jobkit_report *report)
 {
 	void *ref[JK_ROLES] = {0}, *ptr[JK_ROLES];
@@ -417,11 +471,8 @@ bool jobkit_check(const struct jobkit *kit, struct jobkit_report *report)
 			memcpy(ref[role], kit->initial[role], kit->bytes[role]);
 		ptr[role] = ref[role];
 	}
-	struct nk_norm_args a;
-	jobkit_args(kit, ptr, &a);
 	struct nk_cpu_opts opts = {.precision = NK_CPU_REFERENCE, .threads = 2};
-	struct nk_norm_result res;
-	if (nk_cpu_norm(&a, &opts, &res) != NK_OK) {
+	if (jobkit_reference(kit, ptr, &opts) != NK_OK) {
 		report->ok = false;
 		snprintf(report->detail, sizeof(report->detail), "the reference refused the job");
 		goto out_free;

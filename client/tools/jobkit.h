@@ -28,6 +28,8 @@ struct jobkit_spec {
 	bool accumulate;
 	float eps;                  /* 0: 1e-5 */
 	uint64_t seed;
+	uint64_t out_features;      /* NC_WGRAD_ACCUM: out (rows = tokens, cols = in);
+				       accumulate = main_grad += (else =) */
 	bool on_device;             /* tensors in cudaMalloc memory (CUDA backend) */
 	int device;                 /* which GPU, when on_device */
 };
@@ -39,14 +41,14 @@ struct jobkit {
 	void *staging;              /* on_device: host copy that ptr[] points into */
 	size_t total;               /* bytes of all tensors */
 	struct nc_job job;          /* ready to submit */
-	size_t bytes[10];           /* bytes of each tensor, by role (0: absent) */
-	void *ptr[10];              /* each tensor in the region, by role */
-	void *initial[10];          /* accumulate: dgamma/dbeta before the run */
+	size_t bytes[11];           /* bytes of each tensor, by role (0: absent) */
+	void *ptr[11];              /* each tensor in the region, by role */
+	void *initial[11];          /* accumulate: dgamma/dbeta/main_grad before the run */
 };
 
 /* Tensor roles, the order of ptr[] and bytes[]. */
 enum jobkit_role { JK_X, JK_Y, JK_MEAN, JK_RSTD, JK_GAMMA, JK_BETA, JK_DY, JK_DX, JK_DGAMMA,
-		   JK_DBETA };
+		   JK_DBETA, JK_MAIN_GRAD };
 
 struct jobkit_report {
 	double max_abs_err;  /* largest |out - ref| over all outputs */

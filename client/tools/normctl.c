@@ -2,7 +2,7 @@
  * normctl: look at and exercise a running normd through libnormclient.
  *
  *   normctl [--socket PATH] ping
- *   normctl [--socket PATH] stats [--json]
+ *   normctl [--socket PATH] stats [--json | --prometheus]
  *   normctl [--socket PATH] variants
  *   normctl [--socket PATH] demo [--rows N] [--cols N]
  *
@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "client/tools/jobkit.h"
+#include "client/tools/statsfmt.h"
 #include "normclient.h"
 
 #define DEFAULT_SOCKET "/run/normd/normd.sock"
@@ -43,51 +44,24 @@ static int cmd_ping(nc_conn *conn)
 	return 0;
 }
 
-/* Wire status values run from OK (0) to INTERNAL (10). */
-#define STATUS_COUNT 11
+enum stats_format { STATS_TEXT, STATS_JSON, STATS_PROMETHEUS };
 
-static void print_stats_json(const struct nc_stats *s)
-{
-	printf("{\"backend\":\"%s\",\"uptime_ms\":%llu,\"clients\":%u,\"clients_total\":%llu,"
-	       "\"jobs_ok\":%llu,\"jobs_failed\":%llu,\"jobs_in_flight\":%u,\"regions\":%u,"
-	       "\"mapped_bytes\":%llu,\"rss_bytes\":%llu,\"bytes_processed\":%llu,"
-	       "\"replies_by_status\":{",
-	       s->backend, (unsigned long long)s->uptime_ms, s->clients,
-	       (unsigned long long)s->clients_total, (unsigned long long)s->jobs_ok,
-	       (unsigned long long)s->jobs_failed, s->jobs_in_flight, s->regions,
-	       (unsigned long long)s->mapped_bytes, (unsigned long long)s->rss_bytes,
-	       (unsigned long long)s->bytes_processed);
-	for (size_t i = 0; i < STATUS_COUNT; i++)
-		printf("%s\"%s\":%llu", i ? "," : "", nc_status_name(-(int)i),
-		       (unsigned long long)s->errors_by_status[i]);
-	printf("}}\n");
-}
-
-static int cmd_stats(nc_conn *conn, bool json)
+static int cmd_stats(nc_conn *conn, enum stats_format format)
 {
 	struct nc_stats s;
 	int rc = nc_stats_get(conn, TIMEOUT_MS, &s);
 	if (rc) {
 		fprintf(stderr, "normctl: stats: %s: %s\n", nc_strerror(rc), nc_last_error());
+		if (format == STATS_PROMETHEUS)
+			statsfmt_prometheus_down(stdout);
 		return 1;
 	}
-	if (json) {
-		print_stats_json(&s);
-		return 0;
-	}
-	printf("backend          %s\nuptime           %.1f s\nclients          %u (%llu total)\n"
-	       "jobs             %llu ok, %llu failed, %u in flight\n"
-	       "regions          %u (%llu bytes mapped)\nbytes processed  %llu\n"
-	       "daemon rss       %llu bytes\nreplies by status",
-	       s.backend, (double)s.uptime_ms / 1e3, s.clients, (unsigned long long)s.clients_total,
-	       (unsigned long long)s.jobs_ok, (unsigned long long)s.jobs_failed, s.jobs_in_flight,
-	       s.regions, (unsigned long long)s.mapped_bytes, (unsigned long long)s.bytes_processed,
-	       (unsigned long long)s.rss_bytes);
-	for (size_t i = 0; i < STATUS_COUNT; i++) {
-		if (s.errors_by_status[i])
-			printf(" %s=%llu", nc_status_name(-(int)i), (unsigned long long)s.errors_by_status[i]);
-	}
-	printf("\n");
+	if (format == STATS_JSON)
+		statsfmt_json(stdout, &s);
+	else if (format == STATS_PROMETHEUS)
+		statsfmt_prometheus(stdout, &s, nc_server_info(conn)->version);
+	else
+		statsfmt_text(stdout, &s);
 	return 0;
 }
 
@@ -125,8 +99,9 @@ static bool demo_one(nc_conn *conn, const struct jobkit_spec *spec)
 	struct nc_job_result result;
 	struct jobkit_report report = {0};
 	char label[96];
-	snprintf(label, sizeof(label), "%s%s", jobkit_op_name(spec->op),
-		 spec->memory_efficient ? "+mem_eff" : "");
+	snprintf(label, sizeof(label), "%s%s%s", jobkit_op_name(spec->op),
+		 spec->memory_efficient ? "+mem_eff" : "",
+		 spec->op == NC_WGRAD_ACCUM ? (spec->accumulate ? "+=" : "=") : "");
 	char dtypes[16];
 	snprintf(dtypes, sizeof(dtypes), "%s/%s", jobkit_dtype_name(spec->dtype),
 		 jobkit_dtype_name(spec->weight_dtype ? spec->weight_dtype : spec->dtype));
@@ -182,13 +157,28 @@ static int cmd_demo(nc_conn *conn, uint64_t rows, uint64_t cols)
 			}
 		}
 	}
+	/* The weight-gradient GEMM: main_grad[out, in] (+)= dy^T x, tokens = rows. */
+	for (size_t t = 0; t < sizeof(types) / sizeof(types[0]); t++) {
+		for (int accumulate = 0; accumulate <= 1; accumulate++) {
+			struct jobkit_spec spec = {
+				.op = NC_WGRAD_ACCUM, .rows = rows, .cols = cols / 4 + 1,
+				.out_features = cols / 4 + 3, .dtype = types[t].dtype,
+				/* main_grad in the activation dtype, or f32 (bf16/f32). */
+				.weight_dtype = types[t].weight ? types[t].weight : types[t].dtype,
+				.accumulate = accumulate,
+				.seed = 1000 + (uint64_t)total, .on_device = on_device, .device = device,
+			};
+			failed += !demo_one(conn, &spec);
+			total++;
+		}
+	}
 	printf("\n%d passed, %d failed\n", total - failed, failed);
 	return failed ? 1 : 0;
 }
 
 static void usage(void)
 {
-	fprintf(stderr, "usage: normctl [--socket PATH] ping | stats [--json] | variants | "
+	fprintf(stderr, "usage: normctl [--socket PATH] ping | stats [--json | --prometheus] | variants | "
 			"demo [--rows N] [--cols N]\n");
 }
 
@@ -196,13 +186,15 @@ int main(int argc, char **argv)
 {
 	const char *socket_path = getenv("NORMD_SOCKET") ? getenv("NORMD_SOCKET") : DEFAULT_SOCKET;
 	const char *command = NULL;
-	bool json = false;
+	enum stats_format format = STATS_TEXT;
 	uint64_t rows = 256, cols = 1024;
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--socket") && i + 1 < argc)
 			socket_path = argv[++i];
 		else if (!strcmp(argv[i], "--json"))
-			json = true;
+			format = STATS_JSON;
+		else if (!strcmp(argv[i], "--prometheus"))
+			format = STATS_PROMETHEUS;
 		else if (!strcmp(argv[i], "--rows") && i + 1 < argc)
 			rows = strtoull(argv[++i], NULL, 10);
 		else if (!strcmp(argv[i], "--cols") && i + 1 < argc)
@@ -222,13 +214,16 @@ int main(int argc, char **argv)
 	int rc = nc_connect(socket_path, "normctl", 10000, &conn);
 	if (rc) {
 		fprintf(stderr, "normctl: %s\n", nc_last_error());
+		/* A scrape of a stopped daemon still yields a valid file: normd_up 0. */
+		if (format == STATS_PROMETHEUS && !strcmp(command, "stats"))
+			statsfmt_prometheus_down(stdout);
 		return 1;
 	}
 	int status;
 	if (!strcmp(command, "ping"))
 		status = cmd_ping(conn);
 	else if (!strcmp(command, "stats"))
-		status = cmd_stats(conn, json);
+		status = cmd_stats(conn, format);
 	else if (!strcmp(command, "demo"))
 		status = cmd_demo(conn, rows, cols);
 	else if (!strcmp(command, "variants"))

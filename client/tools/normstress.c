@@ -67,7 +67,7 @@
 #define MAX_SIZE (1ull << 26)     /* largest rows or cols accepted on the command line */
 #define MAX_LIST 64
 #define DETAIL_LINES 5            /* failure descriptions each thread prints */
-#define ROLES 10                  /* jobkit's tensor roles */
+#define ROLES (JK_DBETA + 1)      /* jobkit's tensor roles of the norm ops */
 #define PROGRESS_NS 500000000ull  /* progress line refresh */
 #define TICK_NS 10000000ull       /* the parent's polling period */
 
@@ -510,8 +510,11 @@ static void slot_latency(struct slot *s, uint64_t ns)
 
 /*
  * On the CPU backend a kit is a jobkit: one host memfd region holding every
- * tensor. The CUDA backend will add device regions here (allocate, upload
- * inputs, download outputs before the check); the worker only calls kit_*().
+ * tensor. The worker only calls kit_*(), so device kits slot in here: jobkit
+ * already makes them (spec.on_device: cudaMalloc memory registered with
+ * nc_region_register_device, inputs uploaded from a host staging copy,
+ * outputs downloaded by jobkit_check); kit_rearm() will then have to upload
+ * what it resets, and --mode picks how a job is ordered with the GPU work.
  */
 struct kit {
 	struct jobkit jk;
@@ -773,10 +776,12 @@ struct worker {
 	unsigned in_flight;
 	unsigned details;        /* failure lines printed so far */
 	bool broken;             /* the connection cannot be trusted any more */
+	bool running;            /* its thread was started */
 };
 
 /* Prints one failure line (the first few per thread). */
-static void worker_say(struct worker *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void worker_say(struct worker *w, const char *fmt, ...)
+	__attribute__((format(printf, 2, 3)));
 static void worker_say(struct worker *w, const char *fmt, ...)
 {
 	char line[512];
@@ -1065,13 +1070,12 @@ static int child_main(const struct stress_opts *o, struct shared *sh, pid_t pare
 		w->thread = t;
 		w->rng = o->seed ^ (((uint64_t)proc << 40) | ((uint64_t)t << 20) | generation);
 		rng_next(&w->rng);
-		if (pthread_create(&tids[t], NULL, worker_main, w) != 0) {
-			tids[t] = 0;
+		w->running = pthread_create(&tids[t], NULL, worker_main, w) == 0;
+		if (!w->running)
 			status = 1;
-		}
 	}
 	for (unsigned t = 0; t < o->threads; t++) {
-		if (tids[t])
+		if (workers[t].running)
 			pthread_join(tids[t], NULL);
 		if (workers[t].broken)
 			status = 1;
@@ -1110,12 +1114,14 @@ struct stress {
 	bool have_before, have_after;
 };
 
+/* SIGINT/SIGTERM seen: 1 stops the run gently, 2 kills the clients at once. */
 static volatile sig_atomic_t interrupted;
 
 static void on_interrupt(int sig)
 {
 	(void)sig;
-	interrupted = 1;
+	if (interrupted < 2)
+		interrupted++;
 }
 
 static uint64_t next_kill_time(struct stress *st)
@@ -1209,11 +1215,14 @@ static void parent_chaos(struct stress *st, uint64_t now)
 	}
 }
 
-/* After stop, children get one reply timeout plus a margin to drain; then they are killed. */
+/*
+ * After stop, children get one reply timeout plus a margin to drain (or
+ * until a second SIGINT); then they are killed, which counts as a failure.
+ */
 static void parent_kill_hung(struct stress *st, uint64_t now)
 {
 	uint64_t grace = (uint64_t)st->opt.timeout_ms * 1000000ull + 10000000000ull;
-	if (!st->stopping || now < st->t_stop_ns + grace)
+	if (!st->stopping || (now < st->t_stop_ns + grace && interrupted < 2))
 		return;
 	for (unsigned p = 0; p < st->opt.procs; p++) {
 		struct child *c = &st->children[p];

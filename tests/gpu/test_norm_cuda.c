@@ -261,6 +261,20 @@ static void bind(struct job *j, struct nk_norm_args *a, bool device)
 #undef PTR
 }
 
+/*
+ * dy with a mean and a part proportional to x, so that both row sums of the
+ * backward formula (mean(dy*g), mean(dy*g*x_hat)) carry weight in dx.
+ */
+static void make_dy(struct job *j)
+{
+	const struct tcase *c = &j->c;
+	int64_t n = c->rows * c->cols;
+	for (int64_t i = 0; i < n; i++) {
+		double x = nk_load(c->dt, j->t[T_X].host, (size_t)i);
+		nk_store(c->dt, j->t[T_DY].host, (size_t)i, uniform(-1.0, 1.0) + 0.3 + 0.4 * x);
+	}
+}
+
 /* Random inputs into the host buffers; they also go to the device. */
 static void job_inputs(struct job *j)
 {
@@ -285,7 +299,7 @@ static void job_inputs(struct job *j)
 			free(j->t[T_MEAN].host);
 			memset(&j->t[T_MEAN], 0, sizeof(j->t[T_MEAN]));
 		}
-		fill(c->dt, j->t[T_DY].host, n, -1.0, 1.0);
+		make_dy(j);
 		for (int i = T_DGAMMA; i <= T_DBETA; i++) {
 			struct tensor *t = &j->t[i];
 			size_t bytes = (size_t)t->n * nk_dtype_size(t->dt);

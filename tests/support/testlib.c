@@ -59,9 +59,10 @@ int test_daemon_start_on(struct test_daemon *d, const char *device, const char *
 	snprintf(d->socket, sizeof(d->socket), "%s/normd.sock", d->dir);
 	snprintf(d->log, sizeof(d->log), "%s/normd.log", d->dir);
 	const char *bin = getenv("NORMD_BIN") ? getenv("NORMD_BIN") : "build/bin/normd";
-	const char *argv[64] = {bin, "--device", device, "--socket", d->socket, "--log-level",
-				"debug", "--state-dir", d->dir};
-	int argc = 9;
+	/* --config /dev/null: an installed /etc/normd/normd.conf must not change the tests. */
+	const char *argv[64] = {bin, "--config", "/dev/null", "--device", device, "--socket",
+				d->socket, "--log-level", "debug", "--state-dir", d->dir};
+	int argc = 11;
 	for (int i = 0; extra && extra[i] && argc < 63; i++)
 		argv[argc++] = extra[i];
 	argv[argc] = NULL;

@@ -120,7 +120,7 @@ static size_t misalign;
 
 struct buf {
 	unsigned char *raw; /* what malloc returned; NULL: absent */
-	void *p;            /* the tensor, raw + misalign */
+	void *p;	    /* the tensor, raw + misalign */
 	enum nk_dtype dt;
 	size_t n, bytes;
 };
@@ -232,7 +232,7 @@ struct naive_bwd_in {
 	bool ln, mem_eff;
 	int64_t rows, cols;
 	double eps;
-	const double *x;    /* x, or y when mem_eff */
+	const double *x; /* x, or y when mem_eff */
 	const double *dy, *mean, *rstd;
 	const double *g, *b; /* may be NULL */
 };
@@ -255,8 +255,9 @@ static uint32_t naive_backward(const struct naive_bwd_in *in, double *dx, double
 			for (int64_t j = 0; j < n; j++) {
 				int64_t i = r * n + j;
 				double g = in->g ? in->g[j] : 1.0, b = in->b ? in->b[j] : 0.0;
-				double xh = in->mem_eff ? (in->x[i] - b) / gc[j]
-							: (in->x[i] - (in->ln ? in->mean[r] : 0)) * rs;
+				double xh = in->mem_eff
+						? (in->x[i] - b) / gc[j]
+						: (in->x[i] - (in->ln ? in->mean[r] : 0)) * rs;
 				if (pass == 0) {
 					sum_dyg += in->dy[i] * g;
 					sum_dyg_xh += in->dy[i] * g * xh;
@@ -301,7 +302,7 @@ struct job {
 	struct buf *outs[MAX_OUTS];
 	const char *names[MAX_OUTS];
 	double *expect[MAX_OUTS]; /* the oracle's outputs, not rounded */
-	double dx_scale;          /* ||rstd * dy * g||, see rel_l2() */
+	double dx_scale;	  /* ||rstd * dy * g||, see rel_l2() */
 	uint32_t expect_clamped;
 	bool allow_nan; /* skip the every-output-written check (NaN inputs) */
 };
@@ -316,6 +317,24 @@ static const char *case_name(const struct norm_case *c)
 		 c->mem_eff ? " mem_eff" : "", c->accumulate ? " accumulate" : "",
 		 c->tiny_gamma ? " tiny_gamma" : "", (long long)c->rows, (long long)c->cols);
 	return name;
+}
+
+/* A case; flags are enum nk_flags. */
+static struct norm_case make_case(enum nk_op op, enum nk_dtype dt, enum nk_dtype wdt,
+				  enum affine affine, unsigned flags, int64_t rows, int64_t cols)
+{
+	struct norm_case c;
+
+	memset(&c, 0, sizeof(c));
+	c.op = op;
+	c.dt = dt;
+	c.wdt = wdt;
+	c.affine = affine;
+	c.mem_eff = flags & NK_MEMORY_EFFICIENT;
+	c.accumulate = flags & NK_ACCUMULATE;
+	c.rows = rows;
+	c.cols = cols;
+	return c;
 }
 
 /* Each row gets its own offset and spread, so rows differ in statistics. */
@@ -418,8 +437,17 @@ static void job_build_backward(struct job *j, const double *g, const double *b)
 	double *dx = malloc(n * sizeof(*dx));
 	double *dg = c->affine >= AFFINE_GAMMA ? buf_decode(&j->dgamma_old) : NULL;
 	double *db = c->affine == AFFINE_GAMMA_BETA ? buf_decode(&j->dbeta_old) : NULL;
-	struct naive_bwd_in in = {j->ln, c->mem_eff, c->rows, c->cols, EPS, xin, dy,
-				  mean, rstd, g, b};
+	struct naive_bwd_in in = {.ln = j->ln,
+				  .mem_eff = c->mem_eff,
+				  .rows = c->rows,
+				  .cols = c->cols,
+				  .eps = EPS,
+				  .x = xin,
+				  .dy = dy,
+				  .mean = mean,
+				  .rstd = rstd,
+				  .g = g,
+				  .b = b};
 
 	assert_non_null(dx);
 	for (size_t i = 0; !c->accumulate && i < cols; i++) {
@@ -524,8 +552,9 @@ static void job_build(struct job *j, const struct norm_case *c, uint64_t seed)
 
 static void job_free(struct job *j)
 {
-	struct buf *bufs[] = {&j->x,    &j->y,    &j->dy,     &j->dx,        &j->gamma,    &j->beta,
-			      &j->mean, &j->rstd, &j->dgamma, &j->dbeta, &j->dgamma_old, &j->dbeta_old};
+	struct buf *bufs[] = {&j->x,	  &j->y,     &j->dy,	     &j->dx,
+			      &j->gamma,  &j->beta,  &j->mean,	     &j->rstd,
+			      &j->dgamma, &j->dbeta, &j->dgamma_old, &j->dbeta_old};
 
 	for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
 		buf_free(bufs[i]);
@@ -536,9 +565,9 @@ static void job_free(struct job *j)
 
 static void job_check_guards(const struct job *j)
 {
-	const struct buf *bufs[] = {&j->x,    &j->y,    &j->dy,     &j->dx,   &j->gamma,
+	const struct buf *bufs[] = {&j->x,    &j->y,	&j->dy,	  &j->dx,     &j->gamma,
 				    &j->beta, &j->mean, &j->rstd, &j->dgamma, &j->dbeta};
-	static const char *names[] = {"x",    "y",    "dy",     "dx",   "gamma",
+	static const char *names[] = {"x",    "y",    "dy",   "dx",	"gamma",
 				      "beta", "mean", "rstd", "dgamma", "dbeta"};
 
 	for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
@@ -633,8 +662,8 @@ static void outputs_free(const struct job *j, double **out)
 }
 
 /* Compares the current outputs with `want` by relative L2 error. */
-static void check_rel_l2(const struct job *j, double *const *want, double tol_f32,
-			 double tol_16, const char *what)
+static void check_rel_l2(const struct job *j, double *const *want, double tol_f32, double tol_16,
+			 const char *what)
 {
 	for (int k = 0; k < j->nouts; k++) {
 		const struct buf *b = j->outs[k];
@@ -661,8 +690,7 @@ static void check_same_bits(const struct job *j, unsigned char *const *want, con
 {
 	for (int k = 0; k < j->nouts; k++) {
 		if (memcmp(want[k], j->outs[k]->p, j->outs[k]->bytes) != 0)
-			fail_msg("%s: %s: %s differs bitwise", case_name(&j->c), what,
-				 j->names[k]);
+			fail_msg("%s: %s: %s differs bitwise", case_name(&j->c), what, j->names[k]);
 	}
 }
 
@@ -673,7 +701,7 @@ struct shape {
 };
 
 static const struct shape small_shapes[] = {
-	{1, 1}, {3, 1}, {2, 7}, {1, 31}, {3, 32}, {5, 33}, {1, 1000}, {4, 1000}, {1, 4096}, {2, 4096},
+    {1, 1}, {3, 1}, {2, 7}, {1, 31}, {3, 32}, {5, 33}, {1, 1000}, {4, 1000}, {1, 4096}, {2, 4096},
 };
 
 /* Every combination runs one of these, in turn. */
@@ -716,31 +744,43 @@ static void sweep_shapes(struct norm_case *c, int large, uint64_t *seed)
 }
 
 /*
- * Every dtype x weight dtype (same or f32) x affine (none, gamma,
- * gamma+beta) x memory_efficient x accumulate combination of one op.
+ * Combination number k (of SWEEP_COMBOS) of one op: dtype x weight dtype
+ * (same or f32) x affine (none, gamma, gamma+beta) x memory_efficient x
+ * accumulate. False for combinations that do not exist or that the
+ * validation refuses.
  */
-static void sweep_op(enum nk_op op)
+#define SWEEP_COMBOS (3 * 2 * 3 * 2 * 2)
+
+static bool sweep_case(enum nk_op op, int k, struct norm_case *c)
 {
 	static const enum nk_dtype dtypes[] = {NK_F32, NK_F16, NK_BF16};
+	enum nk_dtype dt = dtypes[k % 3];
+	bool f32_weights = k / 3 % 2;
+	unsigned flags = (k / 18 % 2 ? NK_MEMORY_EFFICIENT : 0) | (k / 36 % 2 ? NK_ACCUMULATE : 0);
 	bool bwd = op == NK_LAYERNORM_BWD || op == NK_RMSNORM_BWD;
 	bool rms = op == NK_RMSNORM_FWD || op == NK_RMSNORM_BWD;
+
+	*c = make_case(op, dt, f32_weights ? NK_F32 : dt, (enum affine)(k / 6 % 3), flags, 0, 0);
+	if (f32_weights && dt == NK_F32)
+		return false; /* the same as dtype */
+	if (rms && c->affine == AFFINE_GAMMA_BETA)
+		return false;
+	if (!bwd && flags)
+		return false;
+	return !(c->accumulate && c->affine == AFFINE_NONE); /* nothing to accumulate */
+}
+
+/* Every combination of one op on every small shape and one large one. */
+static void sweep_op(enum nk_op op)
+{
 	int nlarge = sizeof(large_shapes) / sizeof(large_shapes[0]);
 	uint64_t seed = 1000 * (uint64_t)op;
 	int combo = 0;
+	struct norm_case c;
 
-	for (int k = 0; k < 3 * 2 * 3 * 2 * 2; k++) {
-		enum nk_dtype dt = dtypes[k % 3];
-		struct norm_case c = {op, dt, k / 3 % 2 ? NK_F32 : dt, (enum affine)(k / 6 % 3),
-				      k / 18 % 2, k / 36 % 2, 0, 0, false};
-		if (k / 3 % 2 && dt == NK_F32)
-			continue; /* f32 weights for f32 data: the same dtype */
-		if (rms && c.affine == AFFINE_GAMMA_BETA)
-			continue;
-		if (!bwd && (c.mem_eff || c.accumulate))
-			continue;
-		if (c.accumulate && c.affine == AFFINE_NONE)
-			continue; /* nothing to accumulate into */
-		sweep_shapes(&c, combo++ % nlarge, &seed);
+	for (int k = 0; k < SWEEP_COMBOS; k++) {
+		if (sweep_case(op, k, &c))
+			sweep_shapes(&c, combo++ % nlarge, &seed);
 	}
 }
 
@@ -833,7 +873,16 @@ static void gradient_check(bool ln, int64_t rows, int64_t cols)
 		b[j] = ln ? rng_uniform(-1, 1) : 0;
 	}
 	naive_forward(ln, rows, cols, EPS, x, g, b, y, mean, rstd);
-	struct naive_bwd_in in = {ln, false, rows, cols, EPS, x, w, mean, rstd, g, b};
+	struct naive_bwd_in in = {.ln = ln,
+				  .rows = rows,
+				  .cols = cols,
+				  .eps = EPS,
+				  .x = x,
+				  .dy = w,
+				  .mean = mean,
+				  .rstd = rstd,
+				  .g = g,
+				  .b = b};
 	naive_backward(&in, dx, dg, db);
 
 	for (size_t i = 0; i < n; i++)
@@ -876,6 +925,24 @@ static void test_oracle_is_gradient(void **state)
 /* ---- (c) memory-efficient backward ------------------------------------------ */
 
 /*
+ * Backward case number k (of BACKWARD_GRID): op x dtype x weight dtype
+ * (same or f32) x affine (gamma, gamma+beta); false where that does not exist.
+ */
+#define BACKWARD_GRID (2 * 3 * 2 * 2)
+
+static bool backward_case(int k, unsigned flags, int64_t rows, int64_t cols, struct norm_case *c)
+{
+	static const enum nk_dtype dtypes[] = {NK_F32, NK_F16, NK_BF16};
+	enum nk_op op = k % 2 ? NK_RMSNORM_BWD : NK_LAYERNORM_BWD;
+	enum nk_dtype dt = dtypes[k / 2 % 3];
+	bool f32_weights = k / 6 % 2;
+	enum affine affine = k / 12 % 2 ? AFFINE_GAMMA_BETA : AFFINE_GAMMA;
+
+	*c = make_case(op, dt, f32_weights ? NK_F32 : dt, affine, flags, rows, cols);
+	return !(f32_weights && dt == NK_F32) && !(k % 2 && affine == AFFINE_GAMMA_BETA);
+}
+
+/*
  * The memory-efficient backward, which reads y rounded to its dtype, agrees
  * with the standard one where |gamma| >= 0.5, and clamps nothing. (Not with
  * LayerNorm on cols = 1: x_hat is exactly 0 there, but y - beta is beta's
@@ -883,20 +950,17 @@ static void test_oracle_is_gradient(void **state)
  */
 static void test_memory_efficient_matches_standard(void **state)
 {
-	static const enum nk_dtype dtypes[] = {NK_F32, NK_F16, NK_BF16};
 	static const double tol[] = {1e-5, 4e-3, 3e-2}; /* by dtype: y's rounding */
 	static const struct shape shapes[] = {{64, 1000}, {3, 4096}, {7, 33}, {5, 7}};
 	uint64_t seed = 5000;
 
 	(void)state;
-	for (int k = 0; k < 2 * 3 * 2 * 2 * 4; k++) {
-		enum nk_dtype dt = dtypes[k / 2 % 3];
-		struct norm_case c = {k % 2 ? NK_RMSNORM_BWD : NK_LAYERNORM_BWD, dt,
-				      k / 6 % 2 ? NK_F32 : dt, (enum affine)(1 + k / 12 % 2),
-				      false, false, shapes[k / 24].rows, shapes[k / 24].cols, false};
+	for (int k = 0; k < BACKWARD_GRID * 4; k++) {
+		const struct shape *sh = &shapes[k / BACKWARD_GRID];
+		struct norm_case c;
 		struct job std, eff;
 		double *want[MAX_OUTS];
-		if ((k / 6 % 2 && dt == NK_F32) || (k % 2 && c.affine == AFFINE_GAMMA_BETA))
+		if (!backward_case(k % BACKWARD_GRID, 0, sh->rows, sh->cols, &c))
 			continue;
 		job_build(&std, &c, ++seed);
 		c.mem_eff = true;
@@ -906,7 +970,8 @@ static void test_memory_efficient_matches_standard(void **state)
 			job_run(&std, prec, 2);
 			outputs_decode(&std, want);
 			assert_int_equal(job_run(&eff, prec, 2), 0);
-			check_rel_l2(&eff, want, tol[dt], tol[dt], "memory-efficient vs standard");
+			check_rel_l2(&eff, want, tol[c.dt], tol[c.dt],
+				     "memory-efficient vs standard");
 			outputs_free(&std, want);
 		}
 		job_free(&std);
@@ -917,19 +982,17 @@ static void test_memory_efficient_matches_standard(void **state)
 /* Zero and tiny gamma entries are clamped, counted, and computed as apex does. */
 static void test_memory_efficient_clamp_count(void **state)
 {
-	static const enum nk_dtype dtypes[] = {NK_F32, NK_F16, NK_BF16};
 	static const struct shape shapes[] = {{4, 1000}, {3, 9}};
 	uint64_t seed = 6000;
 
 	(void)state;
-	for (int k = 0; k < 2 * 3 * 2 * 2 * 2; k++) {
-		enum nk_dtype dt = dtypes[k / 2 % 3];
-		struct norm_case c = {k % 2 ? NK_RMSNORM_BWD : NK_LAYERNORM_BWD, dt,
-				      k / 6 % 2 ? NK_F32 : dt, (enum affine)(1 + k / 12 % 2),
-				      true, false, shapes[k / 24].rows, shapes[k / 24].cols, true};
+	for (int k = 0; k < BACKWARD_GRID * 2; k++) {
+		const struct shape *sh = &shapes[k / BACKWARD_GRID];
+		struct norm_case c;
 		struct job j;
-		if ((k / 6 % 2 && dt == NK_F32) || (k % 2 && c.affine == AFFINE_GAMMA_BETA))
+		if (!backward_case(k % BACKWARD_GRID, NK_MEMORY_EFFICIENT, sh->rows, sh->cols, &c))
 			continue;
+		c.tiny_gamma = true;
 		job_build(&j, &c, ++seed);
 		assert_int_equal(j.expect_clamped, tiny_gamma_clamped(c.wdt));
 		assert_int_equal(job_run(&j, NK_CPU_REFERENCE, 1), j.expect_clamped);
@@ -969,12 +1032,12 @@ static void test_threads_do_not_change_bits(void **state)
 {
 	static const struct shape shapes[] = {{3000, 1000}, {5, 65536}, {300, 1000}, {70, 4096}};
 	static const struct norm_case cases[] = {
-		{NK_LAYERNORM_FWD, NK_BF16, NK_F32, AFFINE_GAMMA_BETA, false, false, 0, 0, false},
-		{NK_LAYERNORM_BWD, NK_F32, NK_F32, AFFINE_GAMMA_BETA, false, true, 0, 0, false},
-		{NK_LAYERNORM_BWD, NK_F16, NK_F16, AFFINE_GAMMA_BETA, true, false, 0, 0, false},
-		{NK_RMSNORM_FWD, NK_F16, NK_F32, AFFINE_GAMMA, false, false, 0, 0, false},
-		{NK_RMSNORM_BWD, NK_BF16, NK_F32, AFFINE_GAMMA, false, false, 0, 0, false},
-		{NK_RMSNORM_BWD, NK_F32, NK_F32, AFFINE_GAMMA, true, true, 0, 0, false},
+	    {NK_LAYERNORM_FWD, NK_BF16, NK_F32, AFFINE_GAMMA_BETA, false, false, 0, 0, false},
+	    {NK_LAYERNORM_BWD, NK_F32, NK_F32, AFFINE_GAMMA_BETA, false, true, 0, 0, false},
+	    {NK_LAYERNORM_BWD, NK_F16, NK_F16, AFFINE_GAMMA_BETA, true, false, 0, 0, false},
+	    {NK_RMSNORM_FWD, NK_F16, NK_F32, AFFINE_GAMMA, false, false, 0, 0, false},
+	    {NK_RMSNORM_BWD, NK_BF16, NK_F32, AFFINE_GAMMA, false, false, 0, 0, false},
+	    {NK_RMSNORM_BWD, NK_F32, NK_F32, AFFINE_GAMMA, true, true, 0, 0, false},
 	};
 	size_t ncases = sizeof(cases) / sizeof(cases[0]);
 
@@ -997,17 +1060,13 @@ static void test_threads_do_not_change_bits(void **state)
 /* Accumulating adds the gradient of this job to what the outputs held. */
 static void test_accumulate_adds(void **state)
 {
-	static const enum nk_dtype dtypes[] = {NK_F32, NK_F16, NK_BF16};
 	uint64_t seed = 8000;
 
 	(void)state;
-	for (int k = 0; k < 2 * 3 * 2; k++) {
-		enum nk_dtype dt = dtypes[k / 2 % 3];
-		struct norm_case c = {k % 2 ? NK_RMSNORM_BWD : NK_LAYERNORM_BWD, dt,
-				      k / 6 ? NK_F32 : dt, k % 2 ? AFFINE_GAMMA : AFFINE_GAMMA_BETA,
-				      false, false, 300, 1000, false};
+	for (int k = 0; k < BACKWARD_GRID; k++) {
+		struct norm_case c;
 		struct job plain, acc;
-		if (k / 6 && dt == NK_F32)
+		if (!backward_case(k, 0, 300, 1000, &c))
 			continue;
 		job_build(&plain, &c, ++seed);
 		c.accumulate = true;
@@ -1040,56 +1099,166 @@ static float dummy[64];
 static struct nk_norm_args valid_backward(void)
 {
 	struct nk_norm_args a = {
-		.op = NK_LAYERNORM_BWD, .rows = 4, .cols = 8, .eps = EPS, .dtype = NK_F16,
-		.weight_dtype = NK_F32, .x = dummy, .mean = dummy, .rstd = dummy, .gamma = dummy,
-		.beta = dummy, .dy = dummy, .dx = dummy, .dgamma = dummy, .dbeta = dummy,
+	    .op = NK_LAYERNORM_BWD,
+	    .rows = 4,
+	    .cols = 8,
+	    .eps = EPS,
+	    .dtype = NK_F16,
+	    .weight_dtype = NK_F32,
+	    .x = dummy,
+	    .mean = dummy,
+	    .rstd = dummy,
+	    .gamma = dummy,
+	    .beta = dummy,
+	    .dy = dummy,
+	    .dx = dummy,
+	    .dgamma = dummy,
+	    .dbeta = dummy,
 	};
 	return a;
 }
 
-/* Applies refusal number k to a and returns a word its reason must contain
- * (NULL past the last one). */
+/* Refusal number k (< SCALAR_REFUSALS) of op, dtypes, shape, eps or flags,
+ * applied to a valid job; returns a word the reason must contain. */
+#define SCALAR_REFUSALS 16
+
+static const char *refuse_scalar(int k, struct nk_norm_args *a)
+{
+	switch (k) {
+	case 0:
+		a->op = (enum nk_op)7;
+		return "op";
+	case 1:
+		a->op = (enum nk_op)(-1);
+		return "op";
+	case 2:
+		a->dtype = (enum nk_dtype)5;
+		return "dtype";
+	case 3:
+		a->weight_dtype = (enum nk_dtype)9;
+		return "weight_dtype";
+	case 4: /* f16 data, bf16 weights */
+		a->weight_dtype = NK_BF16;
+		return "weight_dtype";
+	case 5:
+		a->dtype = NK_F32;
+		a->weight_dtype = NK_F16;
+		return "weight_dtype";
+	case 6:
+		a->rows = 0;
+		return "rows";
+	case 7:
+		a->rows = -3;
+		return "rows";
+	case 8:
+		a->cols = 0;
+		return "cols";
+	case 9:
+		a->cols = INT64_C(1) << 32;
+		return "cols";
+	case 10:
+		a->rows = INT64_MAX / 2;
+		a->cols = 1000;
+		return "rows * cols";
+	case 11:
+		a->eps = 0;
+		return "eps";
+	case 12:
+		a->eps = -1e-5f;
+		return "eps";
+	case 13:
+		a->eps = NAN;
+		return "eps";
+	case 14:
+		a->eps = INFINITY;
+		return "eps";
+	case 15:
+		a->flags = 1u << 5;
+		return "flag";
+	}
+	return NULL;
+}
+
+/* Refusal number k of the flags or tensors of an op; returns a word the
+ * reason must contain, NULL past the last one. */
+static const char *refuse_tensor(int k, struct nk_norm_args *a)
+{
+	switch (k) {
+	case 0:
+		a->op = NK_LAYERNORM_FWD;
+		a->flags = NK_MEMORY_EFFICIENT;
+		return "backward";
+	case 1:
+		a->op = NK_RMSNORM_FWD;
+		a->beta = a->mean = NULL;
+		a->flags = NK_ACCUMULATE;
+		return "backward";
+	case 2:
+		a->x = NULL;
+		return "x is absent";
+	case 3:
+		a->x = NULL;
+		a->flags = NK_MEMORY_EFFICIENT;
+		return "y (passed in x)";
+	case 4:
+		a->gamma = a->dgamma = a->dbeta = NULL;
+		return "gamma is absent";
+	case 5:
+		a->op = NK_LAYERNORM_FWD;
+		a->gamma = NULL;
+		a->y = dummy;
+		return "gamma is absent";
+	case 6:
+		a->gamma = a->beta = a->dbeta = NULL;
+		return "dgamma";
+	case 7:
+		a->gamma = a->beta = a->dgamma = NULL;
+		return "dbeta";
+	case 8:
+		a->op = NK_RMSNORM_BWD;
+		a->mean = a->dbeta = NULL;
+		return "no beta";
+	case 9:
+		a->op = NK_RMSNORM_FWD;
+		a->mean = NULL;
+		a->y = dummy;
+		return "no beta";
+	case 10:
+		a->op = NK_RMSNORM_BWD;
+		a->beta = a->mean = NULL;
+		return "no dbeta";
+	case 11:
+		a->op = NK_RMSNORM_FWD;
+		a->beta = NULL;
+		a->y = dummy;
+		return "no mean";
+	case 12:
+		a->op = NK_LAYERNORM_FWD;
+		return "y is absent";
+	case 13:
+		a->dy = NULL;
+		return "dy";
+	case 14:
+		a->dx = NULL;
+		return "dx";
+	case 15:
+		a->rstd = NULL;
+		return "rstd";
+	case 16:
+		a->mean = NULL;
+		return "mean";
+	}
+	return NULL;
+}
+
+/* Refusal number k applied to a valid job: returns a word its reason must
+ * contain, NULL past the last one. */
 static const char *make_refused(int k, struct nk_norm_args *a)
 {
 	*a = valid_backward();
-	switch (k) {
-	case 0: a->op = (enum nk_op)7; return "op";
-	case 1: a->op = (enum nk_op)-1; return "op";
-	case 2: a->dtype = (enum nk_dtype)5; return "dtype";
-	case 3: a->weight_dtype = (enum nk_dtype)9; return "weight_dtype";
-	case 4: a->weight_dtype = NK_BF16; return "weight_dtype";
-	case 5: a->dtype = NK_BF16, a->weight_dtype = NK_F16; return "weight_dtype";
-	case 6: a->dtype = NK_F32, a->weight_dtype = NK_F16; return "weight_dtype";
-	case 7: a->rows = 0; return "rows";
-	case 8: a->rows = -3; return "rows";
-	case 9: a->cols = 0; return "cols";
-	case 10: a->cols = INT64_C(1) << 32; return "cols";
-	case 11: a->rows = INT64_MAX / 2, a->cols = 1000; return "rows * cols";
-	case 12: a->eps = 0; return "eps";
-	case 13: a->eps = -1e-5f; return "eps";
-	case 14: a->eps = NAN; return "eps";
-	case 15: a->eps = INFINITY; return "eps";
-	case 16: a->flags = 1u << 5; return "flag";
-	case 17: a->op = NK_LAYERNORM_FWD, a->flags = NK_MEMORY_EFFICIENT; return "backward";
-	case 18: a->op = NK_RMSNORM_FWD, a->beta = NULL, a->mean = NULL,
-		 a->flags = NK_ACCUMULATE; return "backward";
-	case 19: a->x = NULL; return "x";
-	case 20: a->x = NULL, a->flags = NK_MEMORY_EFFICIENT; return "y";
-	case 21: a->gamma = NULL, a->dgamma = NULL, a->dbeta = NULL; return "gamma";
-	case 22: a->op = NK_LAYERNORM_FWD, a->gamma = NULL, a->y = dummy; return "gamma";
-	case 23: a->gamma = NULL, a->beta = NULL, a->dbeta = NULL; return "dgamma";
-	case 24: a->gamma = NULL, a->beta = NULL, a->dgamma = NULL; return "dbeta";
-	case 25: a->op = NK_RMSNORM_BWD, a->mean = NULL, a->dbeta = NULL; return "beta";
-	case 26: a->op = NK_RMSNORM_FWD, a->mean = NULL, a->y = dummy; return "beta";
-	case 27: a->op = NK_RMSNORM_BWD, a->beta = NULL, a->mean = NULL; return "dbeta";
-	case 28: a->op = NK_RMSNORM_FWD, a->beta = NULL, a->y = dummy; return "mean";
-	case 29: a->op = NK_LAYERNORM_FWD; return "y";
-	case 30: a->dy = NULL; return "dy";
-	case 31: a->dx = NULL; return "dx";
-	case 32: a->rstd = NULL; return "rstd";
-	case 33: a->mean = NULL; return "mean";
-	}
-	return NULL;
+	if (k < SCALAR_REFUSALS)
+		return refuse_scalar(k, a);
+	return refuse_tensor(k - SCALAR_REFUSALS, a);
 }
 
 static void test_check_refuses(void **state)
@@ -1111,30 +1280,59 @@ static void test_check_refuses(void **state)
 	assert_non_null(why);
 }
 
-/* Applies accepted variant number k to a; false past the last one. */
+/* Accepted variant number k of a valid job; false past the last one. */
 static bool make_accepted(int k, struct nk_norm_args *a)
 {
 	*a = valid_backward();
 	switch (k) {
-	case 0: return true;
-	case 1: *a = (struct nk_norm_args){.op = NK_LAYERNORM_FWD, .rows = 1, .cols = 1,
-					  .eps = EPS, .x = dummy, .y = dummy};
+	case 0: /* LayerNorm forward with x and y alone */
+		memset(a, 0, sizeof(*a));
+		a->rows = a->cols = 1;
+		a->eps = EPS;
+		a->x = a->y = dummy;
 		return true;
-	case 2: a->op = NK_LAYERNORM_FWD, a->y = dummy; return true; /* dy, dx... ignored */
-	case 3: a->op = NK_RMSNORM_FWD, a->beta = NULL, a->mean = NULL, a->rstd = NULL,
-		a->y = dummy; return true;
-	case 4: a->flags = NK_MEMORY_EFFICIENT, a->mean = NULL; return true;
-	case 5: a->flags = NK_MEMORY_EFFICIENT | NK_ACCUMULATE; return true; /* mean ignored */
-	case 6: a->op = NK_RMSNORM_BWD, a->mean = NULL, a->beta = NULL, a->dbeta = NULL,
-		a->dgamma = NULL; return true;
-	case 7: a->beta = NULL; return true; /* dbeta of a LayerNorm without bias */
-	case 8: a->gamma = NULL, a->beta = NULL, a->dgamma = NULL, a->dbeta = NULL,
-		a->flags = NK_ACCUMULATE; return true;
-	case 9: a->dtype = NK_BF16, a->weight_dtype = NK_BF16; return true;
-	case 10: a->dtype = NK_F32, a->weight_dtype = NK_F32; return true;
-	case 11: a->cols = UINT32_MAX; return true;
-	case 12: a->eps = FLT_MIN; return true;
-	case 13: a->eps = FLT_MAX; return true;
+	case 1: /* forward: dy, dx, dgamma, dbeta are ignored */
+		a->op = NK_LAYERNORM_FWD;
+		a->y = dummy;
+		return true;
+	case 2:
+		a->op = NK_RMSNORM_FWD;
+		a->beta = a->mean = a->rstd = NULL;
+		a->y = dummy;
+		return true;
+	case 3:
+		a->flags = NK_MEMORY_EFFICIENT;
+		a->mean = NULL;
+		return true;
+	case 4: /* memory-efficient backward ignores mean */
+		a->flags = NK_MEMORY_EFFICIENT | NK_ACCUMULATE;
+		return true;
+	case 5: /* RMSNorm backward computing dx alone */
+		a->op = NK_RMSNORM_BWD;
+		a->beta = a->mean = a->dbeta = a->dgamma = NULL;
+		return true;
+	case 6: /* dbeta of a LayerNorm without beta */
+		a->beta = NULL;
+		return true;
+	case 7: /* accumulate with nothing to accumulate into */
+		a->gamma = a->beta = a->dgamma = a->dbeta = NULL;
+		a->flags = NK_ACCUMULATE;
+		return true;
+	case 8:
+		a->dtype = a->weight_dtype = NK_BF16;
+		return true;
+	case 9:
+		a->dtype = a->weight_dtype = NK_F32;
+		return true;
+	case 10:
+		a->cols = UINT32_MAX;
+		return true;
+	case 11:
+		a->eps = FLT_TRUE_MIN;
+		return true;
+	case 12:
+		a->eps = FLT_MAX;
+		return true;
 	}
 	return false;
 }
@@ -1156,8 +1354,8 @@ static void test_check_accepts(void **state)
  * unknown precision is refused. */
 static void test_cpu_options(void **state)
 {
-	struct norm_case c = {NK_LAYERNORM_BWD, NK_F16, NK_F32, AFFINE_GAMMA_BETA, true, false,
-			      9, 100, false};
+	struct norm_case c = make_case(NK_LAYERNORM_BWD, NK_F16, NK_F32, AFFINE_GAMMA_BETA,
+				       NK_MEMORY_EFFICIENT, 9, 100);
 	struct nk_cpu_opts bad = {(enum nk_cpu_precision)2, 1};
 	unsigned char *want[MAX_OUTS];
 	struct job j;
@@ -1188,7 +1386,7 @@ static void test_names(void **state)
 	assert_int_equal(nk_dtype_size(NK_BF16), 2);
 	assert_int_equal(nk_dtype_size((enum nk_dtype)3), 0);
 	assert_string_equal(nk_dtype_name(NK_BF16), "bf16");
-	assert_string_equal(nk_dtype_name((enum nk_dtype)-1), "?");
+	assert_string_equal(nk_dtype_name((enum nk_dtype) - 1), "?");
 	assert_string_equal(nk_op_name(NK_RMSNORM_BWD), "rmsnorm_bwd");
 	assert_string_equal(nk_op_name((enum nk_op)4), "?");
 	assert_true(isnan(nk_load((enum nk_dtype)3, dummy, 0)));
@@ -1223,11 +1421,12 @@ static void round_trip_all(enum nk_dtype dt)
 		back = encode16(dt, f);
 		nk_store(dt, &stored, 0, nk_load(dt, &h, 0));
 		if (!isnan(want) && (back != h || stored != h))
-			fail_msg("%s 0x%04x encodes back to 0x%04x / 0x%04x", nk_dtype_name(dt),
-				 u, back, stored);
-		if (isnan(want) && !(isnan(decode16(dt, back)) && (back | quiet) == (h | quiet) &&
-				     stored == back))
-			fail_msg("%s NaN 0x%04x encodes back to 0x%04x", nk_dtype_name(dt), u, back);
+			fail_msg("%s 0x%04x encodes back to 0x%04x / 0x%04x", nk_dtype_name(dt), u,
+				 back, stored);
+		if (isnan(want) &&
+		    !(isnan(decode16(dt, back)) && (back | quiet) == (h | quiet) && stored == back))
+			fail_msg("%s NaN 0x%04x encodes back to 0x%04x", nk_dtype_name(dt), u,
+				 back);
 	}
 }
 
@@ -1283,9 +1482,9 @@ static void test_rounding_ties_to_even(void **state)
 	assert_int_equal(nk_f32_to_f16(65520.0f), 0x7c00);
 	assert_int_equal(nk_f32_to_f16(-1e10f), 0xfc00);
 	assert_int_equal(nk_f32_to_bf16(FLT_MAX), 0x7f80);
-	assert_int_equal(nk_f32_to_f16(0x1p-25f), 0x0000);     /* tie with 0 */
-	assert_int_equal(nk_f32_to_f16(0x1.8p-24f), 0x0002);   /* tie, to even */
-	assert_int_equal(nk_f32_to_bf16(0x1p-149f), 0x0000);   /* smallest float subnormal */
+	assert_int_equal(nk_f32_to_f16(0x1p-25f), 0x0000);   /* tie with 0 */
+	assert_int_equal(nk_f32_to_f16(0x1.8p-24f), 0x0002); /* tie, to even */
+	assert_int_equal(nk_f32_to_bf16(0x1p-149f), 0x0000); /* smallest float subnormal */
 	assert_int_equal(nk_f32_to_bf16(0x1.01p-126f), 0x0080);
 }
 
@@ -1324,8 +1523,7 @@ static void test_f16_matches_compiler(void **state)
  * (x_hat is NaN there only, as backward reads the stored statistics), and of
  * dbeta when dy holds the NaN.
  */
-static bool nan_expected(const struct job *j, int k, size_t i, int64_t row, int64_t col,
-			 bool in_dy)
+static bool nan_expected(const struct job *j, int k, size_t i, int64_t row, int64_t col, bool in_dy)
 {
 	const struct buf *b = j->outs[k];
 
@@ -1345,7 +1543,10 @@ static void check_nan_confined(struct job *j, int64_t row, int64_t col, bool in_
 
 	job_run(j, NK_CPU_FP32, 4);
 	outputs_copy(j, clean);
-	buf_set(in_dy ? &j->dy : j->c.mem_eff ? &j->y : &j->x, (size_t)(row * j->c.cols + col), NAN);
+	buf_set(in_dy	       ? &j->dy
+		: j->c.mem_eff ? &j->y
+			       : &j->x,
+		(size_t)(row * j->c.cols + col), NAN);
 	j->allow_nan = true;
 	job_run(j, NK_CPU_FP32, 4);
 	for (int k = 0; k < j->nouts; k++) {
@@ -1355,7 +1556,8 @@ static void check_nan_confined(struct job *j, int64_t row, int64_t col, bool in_
 			const unsigned char *now = (const unsigned char *)b->p + i * es;
 			bool nan = nan_expected(j, k, i, row, col, in_dy);
 			if (nan && !isnan(buf_get(b, i)))
-				fail_msg("%s: %s[%zu] is not NaN", case_name(&j->c), j->names[k], i);
+				fail_msg("%s: %s[%zu] is not NaN", case_name(&j->c), j->names[k],
+					 i);
 			if (!nan && memcmp(clean[k] + i * es, now, es) != 0)
 				fail_msg("%s: %s[%zu] changed", case_name(&j->c), j->names[k], i);
 		}
@@ -1375,11 +1577,12 @@ static void test_nan_stays_in_row(void **state)
 		enum nk_op op = ops[k % 4];
 		bool ln = op == NK_LAYERNORM_FWD || op == NK_LAYERNORM_BWD;
 		bool bwd = op == NK_LAYERNORM_BWD || op == NK_RMSNORM_BWD;
-		struct norm_case c = {op, k / 4 % 2 ? NK_BF16 : NK_F32, NK_F32,
-				      ln ? AFFINE_GAMMA_BETA : AFFINE_GAMMA, k / 8 && bwd, false,
-				      300, 1000, false};
+		enum affine affine = ln ? AFFINE_GAMMA_BETA : AFFINE_GAMMA;
+		unsigned flags = k / 8 ? NK_MEMORY_EFFICIENT : 0;
+		struct norm_case c =
+		    make_case(op, k / 4 % 2 ? NK_BF16 : NK_F32, NK_F32, affine, flags, 300, 1000);
 		struct job j;
-		if (k / 8 && !bwd)
+		if (flags && !bwd)
 			continue;
 		job_build(&j, &c, 9000 + (uint64_t)k);
 		check_nan_confined(&j, 137, 500, false);
@@ -1398,10 +1601,10 @@ static void test_nan_stays_in_row(void **state)
 static void test_unaligned(void **state)
 {
 	static const struct norm_case cases[] = {
-		{NK_LAYERNORM_FWD, NK_BF16, NK_BF16, AFFINE_GAMMA_BETA, false, false, 33, 1000, false},
-		{NK_LAYERNORM_BWD, NK_F16, NK_F32, AFFINE_GAMMA_BETA, true, true, 300, 1000, false},
-		{NK_RMSNORM_BWD, NK_F32, NK_F32, AFFINE_GAMMA, false, false, 300, 1000, false},
-		{NK_RMSNORM_FWD, NK_F16, NK_F16, AFFINE_GAMMA, false, false, 5, 33, false},
+	    {NK_LAYERNORM_FWD, NK_BF16, NK_BF16, AFFINE_GAMMA_BETA, false, false, 33, 1000, false},
+	    {NK_LAYERNORM_BWD, NK_F16, NK_F32, AFFINE_GAMMA_BETA, true, true, 300, 1000, false},
+	    {NK_RMSNORM_BWD, NK_F32, NK_F32, AFFINE_GAMMA, false, false, 300, 1000, false},
+	    {NK_RMSNORM_FWD, NK_F16, NK_F16, AFFINE_GAMMA, false, false, 5, 33, false},
 	};
 
 	(void)state;
@@ -1455,10 +1658,10 @@ static void free_outs(const struct job *j, unsigned char **out)
  * op does not read or write are neither read nor written. */
 static void test_optional_tensors(void **state)
 {
-	struct norm_case fwd = {NK_LAYERNORM_FWD, NK_F16, NK_F32, AFFINE_GAMMA_BETA, false, false,
-				300, 1000, false};
-	struct norm_case bwd = {NK_LAYERNORM_BWD, NK_BF16, NK_BF16, AFFINE_GAMMA_BETA, true, false,
-				300, 1000, false};
+	struct norm_case fwd =
+	    make_case(NK_LAYERNORM_FWD, NK_F16, NK_F32, AFFINE_GAMMA_BETA, 0, 300, 1000);
+	struct norm_case bwd = make_case(NK_LAYERNORM_BWD, NK_BF16, NK_BF16, AFFINE_GAMMA_BETA,
+					 NK_MEMORY_EFFICIENT, 300, 1000);
 	unsigned char *full[MAX_OUTS], *part[MAX_OUTS];
 	struct nk_norm_args a;
 	struct job j;
@@ -1519,28 +1722,42 @@ static void test_optional_tensors(void **state)
 static int out_of_memory_child(void)
 {
 	const int64_t rows = 2, cols = INT64_C(1) << 22;
-	uint16_t *x = malloc((size_t)(rows * cols) * 2), *y = malloc((size_t)(rows * cols) * 2);
-	struct nk_norm_args a = {.op = NK_LAYERNORM_FWD, .rows = rows, .cols = cols, .eps = EPS,
-				 .dtype = NK_F16, .weight_dtype = NK_F16, .x = x, .y = y};
+	size_t bytes = (size_t)(rows * cols) * 2;
+	uint16_t *x = malloc(bytes), *y = malloc(bytes);
+	struct nk_norm_args a = {.op = NK_LAYERNORM_FWD,
+				 .rows = rows,
+				 .cols = cols,
+				 .eps = EPS,
+				 .dtype = NK_F16,
+				 .weight_dtype = NK_F16,
+				 .x = x,
+				 .y = y};
 	struct nk_cpu_opts opts = {NK_CPU_REFERENCE, 1};
 	long pages = 0;
 	FILE *f = fopen("/proc/self/statm", "r");
 	struct rlimit rl;
+	int rc = 2;
 
 	if (!x || !y || !f || fscanf(f, "%ld", &pages) != 1)
-		return 2;
-	fclose(f);
-	memset(x, 0x3c, (size_t)(rows * cols) * 2);
+		goto out;
+	memset(x, 0x3c, bytes);
 	getrlimit(RLIMIT_AS, &rl);
 	rl.rlim_cur = (rlim_t)pages * (rlim_t)sysconf(_SC_PAGESIZE) + (32u << 20);
+	rc = 77;
 	if (setrlimit(RLIMIT_AS, &rl) != 0)
-		return 77;
+		goto out;
 	void *probe = malloc(96u << 20);
 	if (probe) {
 		free(probe);
-		return 77;
+		goto out;
 	}
-	return nk_cpu_norm(&a, &opts, NULL) == NK_ENOMEM ? 0 : 1;
+	rc = nk_cpu_norm(&a, &opts, NULL) == NK_ENOMEM ? 0 : 1;
+out:
+	if (f)
+		fclose(f);
+	free(x);
+	free(y);
+	return rc;
 }
 
 static void test_out_of_memory(void **state)
@@ -1567,29 +1784,29 @@ int main(void)
 {
 	const char *q = getenv("NORM_TEST_QUICK");
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test(test_sweep_layernorm_forward),
-		cmocka_unit_test(test_sweep_layernorm_backward),
-		cmocka_unit_test(test_sweep_rmsnorm_forward),
-		cmocka_unit_test(test_sweep_rmsnorm_backward),
-		cmocka_unit_test(test_oracle_is_gradient),
-		cmocka_unit_test(test_memory_efficient_matches_standard),
-		cmocka_unit_test(test_memory_efficient_clamp_count),
-		cmocka_unit_test(test_threads_do_not_change_bits),
-		cmocka_unit_test(test_accumulate_adds),
-		cmocka_unit_test(test_check_refuses),
-		cmocka_unit_test(test_check_accepts),
-		cmocka_unit_test(test_cpu_options),
-		cmocka_unit_test(test_names),
-		cmocka_unit_test(test_round_trip_f16),
-		cmocka_unit_test(test_round_trip_bf16),
-		cmocka_unit_test(test_rounding_ties_to_even),
+	    cmocka_unit_test(test_sweep_layernorm_forward),
+	    cmocka_unit_test(test_sweep_layernorm_backward),
+	    cmocka_unit_test(test_sweep_rmsnorm_forward),
+	    cmocka_unit_test(test_sweep_rmsnorm_backward),
+	    cmocka_unit_test(test_oracle_is_gradient),
+	    cmocka_unit_test(test_memory_efficient_matches_standard),
+	    cmocka_unit_test(test_memory_efficient_clamp_count),
+	    cmocka_unit_test(test_threads_do_not_change_bits),
+	    cmocka_unit_test(test_accumulate_adds),
+	    cmocka_unit_test(test_check_refuses),
+	    cmocka_unit_test(test_check_accepts),
+	    cmocka_unit_test(test_cpu_options),
+	    cmocka_unit_test(test_names),
+	    cmocka_unit_test(test_round_trip_f16),
+	    cmocka_unit_test(test_round_trip_bf16),
+	    cmocka_unit_test(test_rounding_ties_to_even),
 #ifdef __FLT16_MAX__
-		cmocka_unit_test(test_f16_matches_compiler),
+	    cmocka_unit_test(test_f16_matches_compiler),
 #endif
-		cmocka_unit_test(test_nan_stays_in_row),
-		cmocka_unit_test(test_unaligned),
-		cmocka_unit_test(test_optional_tensors),
-		cmocka_unit_test(test_out_of_memory),
+	    cmocka_unit_test(test_nan_stays_in_row),
+	    cmocka_unit_test(test_unaligned),
+	    cmocka_unit_test(test_optional_tensors),
+	    cmocka_unit_test(test_out_of_memory),
 	};
 
 	quick = q && *q && strcmp(q, "0") != 0;

@@ -1,0 +1,71 @@
+#!/bin/sh
+# The systemd files, checked offline (no systemd PID 1 needed):
+# - `systemd-analyze verify` has nothing to say about normd@.service and
+#   normd@.socket as `make install` writes them (installed under a private
+#   prefix, so ExecStart= names a real binary and Documentation= finds the
+#   installed man page); a deliberately broken copy does draw a complaint,
+#   which shows the check looks;
+# - the unit keeps the settings the service depends on (notify, socket
+#   activation, device access, sandbox, restarts);
+# - systemd-sysusers and systemd-tmpfiles accept normd.sysusers and
+#   normd.tmpfiles in a scratch root, creating the normd user and its
+#   directories owned by it;
+# - systemd/normd.conf lists every setting with its true default (compared
+#   with `normd --print-config`), and loading it uncommented changes nothing.
+. tests/service/lib.sh
+P="$T/prefix"
+make -s --no-print-directory B="$B" install PREFIX="$P" SYSCONFDIR="$P/etc" \
+	>"$T/install.log" 2>&1 || fail "make install PREFIX=$P"
+U="$P/lib/systemd/system"
+
+out=$(MANPATH="$P/share/man:" systemd-analyze verify "$U/normd@0.service" "$U/normd@0.socket" \
+	"$U/normd@all.service" "$U/normd@cpu.socket" 2>&1) || fail "systemd-analyze verify: $out"
+[ -z "$out" ] || fail "systemd-analyze verify reports: $out"
+mkdir "$T/broken"
+sed 's/^DevicePolicy=/DevicePolicyy=/' "$U/normd@.service" >"$T/broken/normd@.service"
+cp "$U/normd@.socket" "$T/broken/"
+out=$(MANPATH="$P/share/man:" systemd-analyze verify "$T/broken/normd@0.service" 2>&1)
+case "$out" in *DevicePolicyy*) ;; *) fail "verify missed a broken key: $out" ;; esac
+check "systemd-analyze verify: no findings on the installed units (and it does catch a bad key)"
+
+svc="$U/normd@.service"
+for line in Type=notify 'ExecStart=@P@/sbin/normd --config @P@/etc/normd/normd.conf --device %i --socket /run/normd/%i.sock' \
+	Requires=normd@%i.socket User=normd DevicePolicy=closed 'DeviceAllow=char-nvidia rw' \
+	'DeviceAllow=char-nvidiactl rw' 'DeviceAllow=char-nvidia-uvm rw' 'DeviceAllow=char-nvidia-caps r' \
+	ProtectSystem=strict ProtectHome=yes NoNewPrivileges=yes StateDirectory=normd \
+	RuntimeDirectory=normd RuntimeDirectoryPreserve=yes Restart=on-failure \
+	StartLimitIntervalSec=120 StartLimitBurst=5 WatchdogSec=30; do
+	want=$(echo "$line" | sed "s|@P@|$P|g")
+	grep -qxF "$want" "$svc" || fail "normd@.service lacks '$want'"
+done
+grep -q '^PrivateDevices=' "$svc" && fail "PrivateDevices= would hide the GPUs"
+for line in 'ListenStream=/run/normd/%i.sock' SocketMode=0660 SocketGroup=normd; do
+	grep -qxF "$line" "$U/normd@.socket" || fail "normd@.socket lacks '$line'"
+done
+check "the units keep notify, socket activation, device access, sandbox and restart settings"
+
+R="$T/sysroot"
+mkdir -p "$R/etc"
+systemd-sysusers --root="$R" "$P/lib/sysusers.d/normd.conf" >"$T/sysusers.log" 2>&1 ||
+	fail "systemd-sysusers: $(cat "$T/sysusers.log")"
+uid=$(awk -F: '$1 == "normd" { print $3 }' "$R/etc/passwd")
+gid=$(awk -F: '$1 == "normd" { print $3 }' "$R/etc/group")
+[ -n "$uid" ] && [ -n "$gid" ] || fail "sysusers did not create user and group normd"
+systemd-tmpfiles --root="$R" --create "$P/lib/tmpfiles.d/normd.conf" >"$T/tmpfiles.log" 2>&1 ||
+	fail "systemd-tmpfiles: $(cat "$T/tmpfiles.log")"
+[ "$(stat -c '%u:%g %a' "$R/run/normd")" = "$uid:$gid 755" ] || fail "/run/normd: $(stat -c '%u:%g %a' "$R/run/normd")"
+[ "$(stat -c '%u:%g %a' "$R/var/lib/normd")" = "$uid:$gid 750" ] || fail "/var/lib/normd"
+check "sysusers creates normd ($uid:$gid); tmpfiles creates /run/normd and /var/lib/normd for it"
+
+# normd.conf: every "#name = value" line is a setting at its default.
+"$B/bin/normd" --config /dev/null --print-config | grep -v '^#' | sed 's/ *$//' | sort \
+	>"$T/defaults"
+sed -n 's/^#\([a-z_]* =.*\)$/\1/p' systemd/normd.conf | sed 's/ *$//' | sort >"$T/listed"
+diff -u "$T/defaults" "$T/listed" >"$T/conf.diff" ||
+	fail "systemd/normd.conf and normd --print-config differ (update the file): $(cat "$T/conf.diff")"
+sed 's/^#\([a-z_]* =\)/\1/' systemd/normd.conf >"$T/uncommented.conf"
+"$B/bin/normd" --config "$T/uncommented.conf" --print-config | grep -v '^#' | sed 's/ *$//' |
+	sort >"$T/loaded"
+diff -u "$T/defaults" "$T/loaded" >"$T/conf.diff" || fail "uncommented normd.conf: $(cat "$T/conf.diff")"
+cmp -s systemd/normd.conf "$P/etc/normd/normd.conf" || fail "installed normd.conf differs"
+check "normd.conf lists all $(wc -l <"$T/defaults") settings at their defaults, and parses"
