@@ -4,8 +4,10 @@
 set -e
 need=""
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+# systemd (systemd-analyze, -socket-activate, -sysusers, -tmpfiles), groff-base
+# and python3-prometheus-client serve the offline service tests (tests/service).
 for pkg in build-essential pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler \
-	libcmocka-dev clang valgrind; do
+	libcmocka-dev clang valgrind systemd groff-base python3-prometheus-client; do
 	have_pkg "$pkg" || need="$need $pkg"
 done
 if [ -n "$need" ]; then

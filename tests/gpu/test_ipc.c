@@ -11,6 +11,7 @@
  * own (started by test_daemon_start_on).
  */
 #include <cuda_runtime_api.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -336,6 +337,62 @@ static int variants_listed(void *arg)
 	return 0;
 }
 
+/* WGRAD_ACCUM through cuBLAS against the reference, then accumulating twice. */
+static int wgrad_jobs(void *arg)
+{
+	(void)arg;
+	nc_conn *conn = connect_daemon("wgrad");
+	CHECK(conn, "no connection");
+	static const uint64_t shapes[][3] = {{1, 1, 1}, {17, 33, 9}, {512, 384, 257}, {1024, 768, 512}};
+	static const enum nc_dtype types[][2] = {{NC_F32, NC_F32}, {NC_BF16, NC_F32},
+						 {NC_F16, NC_F32}, {NC_BF16, NC_BF16}};
+	int bad = 0, seed = 500;
+	for (int s = 0; s < 4; s++)
+		for (int t = 0; t < 4; t++)
+			for (int acc = 0; acc <= 1; acc++) {
+				struct jobkit_spec spec = {
+					.op = NC_WGRAD_ACCUM, .rows = shapes[s][0], .cols = shapes[s][1],
+					.out_features = shapes[s][2], .dtype = types[t][0],
+					.weight_dtype = types[t][1], .accumulate = acc,
+					.seed = (uint64_t)seed++, .on_device = true,
+				};
+				bad += run_checked(conn, &spec, NULL);
+			}
+	CHECK(bad == 0, "%d wgrad jobs wrong", bad);
+
+	/* Twice accumulated = initial + 2 x the product (fp32 main_grad). */
+	struct jobkit twice, once;
+	struct jobkit_spec spec = {.op = NC_WGRAD_ACCUM, .rows = 256, .cols = 128, .out_features = 96,
+				   .dtype = NC_BF16, .accumulate = true, .seed = 9, .on_device = true};
+	struct jobkit_spec over = spec;
+	over.accumulate = false;
+	CHECK(jobkit_create(conn, &spec, &twice) == 0 && jobkit_create(conn, &over, &once) == 0,
+	      "set-up");
+	struct nc_job_result r;
+	CHECK(nc_job_run_on_stream(conn, &twice.job, NULL, 10000, &r) == NC_OK &&
+		      nc_job_run_on_stream(conn, &twice.job, NULL, 10000, &r) == NC_OK &&
+		      nc_job_run_on_stream(conn, &once.job, NULL, 10000, &r) == NC_OK,
+	      "jobs: %s", r.message);
+	struct jobkit_report rep;
+	jobkit_check(&twice, &rep); /* downloads the outputs into the staging copies */
+	jobkit_check(&once, &rep);
+	const float *got = twice.ptr[JK_MAIN_GRAD], *init = twice.initial[JK_MAIN_GRAD];
+	const float *prod = once.ptr[JK_MAIN_GRAD];
+	double err2 = 0, ref2 = 0;
+	for (int i = 0; i < 96 * 128; i++) {
+		double want = (double)init[i] + 2.0 * (double)prod[i];
+		err2 += (got[i] - want) * (got[i] - want);
+		ref2 += want * want;
+	}
+	printf("  accumulate twice: relative L2 error %.3g (variant %s)\n", sqrt(err2 / ref2),
+	       r.variant);
+	jobkit_destroy(&twice);
+	jobkit_destroy(&once);
+	nc_close(conn);
+	CHECK(sqrt(err2 / ref2) < 1e-6, "twice != initial + 2 * product");
+	return 0;
+}
+
 int main(void)
 {
 	if (test_daemon_start_on(&daemon_, "0", NULL) != 0) {
@@ -348,6 +405,7 @@ int main(void)
 	report("killed client releases its memory", killed_client_releases(NULL));
 	report("1000 connect/register/job cycles", thousand_cycles(NULL));
 	report("unexportable memory refused", in_child(unexportable, NULL));
+	report("wgrad jobs and accumulation", in_child(wgrad_jobs, NULL));
 	report("variants named and listed", in_child(variants_listed, NULL));
 	bool alive = test_daemon_alive(&daemon_);
 	if (failed || !alive)
