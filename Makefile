@@ -161,7 +161,16 @@ $(B)/bench/%: $(B)/obj/bench/%.o $(TEST_SUPPORT_OBJS) $(TOOL_COMMON_OBJS) $(B)/l
 	$(CC) $(LDFLAGS) -o $@ $< $(TEST_LIBS)
 
 .PHONY: gpu-progs
-gpu-progs: all $(GPU_TESTS) $(BENCH_PROGS)
+gpu-progs: all $(GPU_TESTS) $(BENCH_PROGS) $(B)/lib/gpu-host/libprotobuf-c.so.1 \
+	$(B)/lib/gpu-host/libcmocka.so.0
+
+# The GPU machine has no Debian packages: the shared libraries our programs
+# load there (libprotobuf-c for libnormclient.so, libcmocka for the tests)
+# travel in build/lib/gpu-host; tests/gpu/run.sh and bench/run.sh put it on
+# LD_LIBRARY_PATH.
+$(B)/lib/gpu-host/%:
+	@mkdir -p $(dir $@)
+	cp -L "$$(ldconfig -p | awk '/$* .*x86-64/ {print $$NF; exit}')" $@
 
 # ---- entry points ------------------------------------------------------------
 deps:
@@ -180,6 +189,8 @@ test-gpu: gpu-progs
 
 bench-gpu: gpu-progs
 	@sh bench/run.sh $(B)
+	@LD_LIBRARY_PATH=$(B)/lib/gpu-host $(B)/bench/bench_latency
+	@LD_LIBRARY_PATH=$(B)/lib/gpu-host python3 bench/bench_wgrad.py $(B)
 
 # ---- install -------------------------------------------------------------------
 # make install [PREFIX=/usr/local] [DESTDIR=staging root]: binaries (normd in

@@ -478,6 +478,16 @@ static int cuda_submit(struct backend *backend, struct job *job)
 	return NC_OK;
 }
 
+/* Stats: the variant cache's hit and miss counts of one device (loop thread). */
+static void cuda_variant_cache_counts(struct backend *backend, int device, uint64_t *hits,
+				      uint64_t *misses)
+{
+	struct cuda_device *dev = cuda_find_device((struct backend_cuda *)backend, device);
+	*hits = *misses = 0;
+	if (dev && dev->cache)
+		variant_cache_counts(dev->cache, hits, misses);
+}
+
 static struct variant_row *cuda_variants(struct backend *backend, size_t *n)
 {
 	struct backend_cuda *cuda = (struct backend_cuda *)backend;
@@ -646,6 +656,7 @@ int backend_cuda_create(const struct config *cfg, struct backend **out)
 		.submit = cuda_submit,
 		.fatal_error = cuda_fatal_error,
 		.variants = cuda_variants,
+		.variant_cache_counts = cuda_variant_cache_counts,
 		.destroy = cuda_destroy,
 	};
 	cuda->autotune = cfg->autotune;

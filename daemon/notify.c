@@ -31,12 +31,12 @@
 
 #define NOTIFY_STATUS_INTERVAL_MS 2000
 
-static int notify_fd = -1;               /* datagram socket, or -1: not supervised */
-static struct sockaddr_un notify_addr;   /* where messages go */
+static int notify_fd = -1;	       /* datagram socket, or -1: not supervised */
+static struct sockaddr_un notify_addr; /* where messages go */
 static socklen_t notify_addr_len;
-static uint64_t watchdog_interval_ms;    /* 0: no watchdog */
-static uint64_t status_last_ns;          /* when jobs/s was last measured */
-static uint64_t status_last_jobs;        /* jobs finished at that moment */
+static uint64_t watchdog_interval_ms; /* 0: no watchdog */
+static uint64_t status_last_ns;	      /* when jobs/s was last measured */
+static uint64_t status_last_jobs;     /* jobs finished at that moment */
 
 /* Parses $NOTIFY_SOCKET into notify_addr; false if unset or unusable. */
 static bool notify_parse_address(void)
@@ -56,8 +56,8 @@ static bool notify_parse_address(void)
 	memcpy(notify_addr.sun_path, name, len);
 	if (name[0] == '@')
 		notify_addr.sun_path[0] = '\0'; /* abstract: no trailing NUL in the length */
-	notify_addr_len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len +
-				      (name[0] == '/' ? 1 : 0));
+	notify_addr_len =
+	    (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len + (name[0] == '/' ? 1 : 0));
 	return true;
 }
 
@@ -74,7 +74,8 @@ static void notify_parse_watchdog(void)
 	errno = 0;
 	unsigned long long v = strtoull(usec, &end, 10);
 	if (errno || end == usec || *end || v == 0) {
-		log_warn("event=watchdog_disabled usec=\"%s\" error=\"not a positive number\"", usec);
+		log_warn("event=watchdog_disabled usec=\"%s\" error=\"not a positive number\"",
+			 usec);
 		return;
 	}
 	/* Ping at half the period, as sd_watchdog_enabled(3) recommends. */
@@ -107,6 +108,20 @@ void notify_send(const char *fmt, ...)
 		log_debug("event=notify_failed error=\"%s\"", strerror(errno));
 }
 
+/* What is served, for STATUS=: "GPU 0 (NVIDIA H100 80GB HBM3)", "CPU backend". */
+static void notify_devices(const struct server *srv, char *buf, size_t len)
+{
+	const struct backend *b = srv->backend;
+	if (!b || b->device_count <= 0)
+		snprintf(buf, len, "Device %s", srv->cfg->device);
+	else if (b->devices[0].index < 0)
+		snprintf(buf, len, "CPU backend (host memory)");
+	else if (b->device_count == 1)
+		snprintf(buf, len, "GPU %d (%s)", b->devices[0].index, b->devices[0].name);
+	else
+		snprintf(buf, len, "%d GPUs (%s, ...)", b->device_count, b->devices[0].name);
+}
+
 /* The one STATUS= line: what a person wants to see in `systemctl status`. */
 static void notify_status(struct server *srv)
 {
@@ -121,10 +136,11 @@ static void notify_status(struct server *srv)
 			    srv->client_count);
 		return;
 	}
-	notify_send("STATUS=Serving device %s (%s backend): %u clients, %.1f jobs/s, "
-		    "%u in flight, %llu done, %llu failed",
-		    srv->cfg->device, srv->backend ? srv->backend->name : "no", srv->client_count,
-		    rate, srv->jobs_in_flight, (unsigned long long)srv->stats.jobs_ok,
+	char devices[160];
+	notify_devices(srv, devices, sizeof(devices));
+	notify_send("STATUS=%s: %u clients, %.1f jobs/s, %u in flight, %llu done, %llu failed",
+		    devices, srv->client_count, rate, srv->jobs_in_flight,
+		    (unsigned long long)srv->stats.jobs_ok,
 		    (unsigned long long)srv->stats.jobs_failed);
 }
 
@@ -156,10 +172,11 @@ int notify_start(struct server *srv)
 	notify_parse_watchdog();
 	status_last_ns = server_now_ns();
 	status_last_jobs = srv->stats.jobs_ok + srv->stats.jobs_failed;
-	notify_send("READY=1\nSTATUS=Serving device %s (%s backend): ready for clients",
-		    srv->cfg->device, srv->backend->name);
-	uv_timer_start(&srv->notify_status_timer, notify_on_status_timer,
-		       NOTIFY_STATUS_INTERVAL_MS, NOTIFY_STATUS_INTERVAL_MS);
+	char devices[160];
+	notify_devices(srv, devices, sizeof(devices));
+	notify_send("READY=1\nSTATUS=%s: ready for clients", devices);
+	uv_timer_start(&srv->notify_status_timer, notify_on_status_timer, NOTIFY_STATUS_INTERVAL_MS,
+		       NOTIFY_STATUS_INTERVAL_MS);
 	if (watchdog_interval_ms) {
 		notify_send("WATCHDOG=1");
 		uv_timer_start(&srv->notify_watchdog_timer, notify_on_watchdog_timer,

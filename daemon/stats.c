@@ -44,8 +44,8 @@ void stats_count_job(struct server *srv, const struct job *job, bool ran)
 		return;
 	uint64_t latency_us = (server_now_ns() - job->t_arrive_ns) / 1000;
 	uint64_t device_us = job->t_start_ns && job->t_end_ns >= job->t_start_ns
-				     ? (job->t_end_ns - job->t_start_ns) / 1000
-				     : 0;
+				 ? (job->t_end_ns - job->t_start_ns) / 1000
+				 : 0;
 	os->latency[stats_latency_bucket(latency_us)]++;
 	os->latency_us_sum += latency_us;
 	os->device_us += device_us;

@@ -104,10 +104,6 @@ static void store_stat(float *base, int64_t row, float f)
 	memcpy((unsigned char *)base + (size_t)row * sizeof(f), &f, sizeof(f));
 }
 
-/* clamp_by_magnitude of apex: |g| < eps becomes +-eps, 0 (and -0) +eps. */
-#define CLAMP_BY_MAGNITUDE(g, eps)                                                                 \
-	((g) >= 0 ? ((g) < (eps) ? (eps) : (g)) : ((g) > -(eps) ? -(eps) : (g)))
-
 /* Instantiate the row math for float and double. */
 #define NORM_CPU_BODY
 #define REAL float
@@ -129,7 +125,8 @@ static void store_stat(float *base, int64_t row, float f)
 
 /* ---- blocks and threads -------------------------------------------------- */
 
-/* At most MAX_BLOCKS blocks of at least BLOCK_MIN_ELEMS elements, >= 1 row each. */
+/* One block per BLOCK_MIN_ELEMS elements (rounded up), at most MAX_BLOCKS
+ * and at most one per row. */
 static int64_t block_count(int64_t rows, int64_t cols)
 {
 	int64_t n = (rows * cols + BLOCK_MIN_ELEMS - 1) / BLOCK_MIN_ELEMS;
@@ -502,6 +499,23 @@ static void RNAME(run_block)(struct cpu_job *job, int64_t block, void *scratch)
 	RNAME(backward_rows)(job, first, end, pg, pb, scratch);
 }
 
+/*
+ * apex's clamp_by_magnitude: 0 <= g < eps becomes eps, -eps < g < 0 becomes
+ * -eps (so 0 and -0 both become +eps, and NaN stays). Counts what it moved.
+ */
+static REAL RNAME(clamp_by_magnitude)(REAL g, REAL eps, uint32_t *clamped)
+{
+	if (g >= 0 && g < eps) {
+		(*clamped)++;
+		return eps;
+	}
+	if (g < 0 && g > -eps) {
+		(*clamped)++;
+		return -eps;
+	}
+	return g;
+}
+
 /* Converts gamma and beta (ones and zeros when absent) and clamps gamma. */
 static uint32_t RNAME(prepare)(struct cpu_job *job)
 {
@@ -522,13 +536,13 @@ static uint32_t RNAME(prepare)(struct cpu_job *job)
 	else
 		memset(b, 0, (size_t)n * sizeof(REAL));
 
-	if (!job->mem_eff)
+	/* Without gamma, memory-efficient x_hat is y itself: nothing to clamp. */
+	if (!job->mem_eff || !a->gamma) {
+		memcpy(gd, g, (size_t)n * sizeof(REAL));
 		return 0;
-	for (int64_t j = 0; j < n; j++) {
-		gd[j] = CLAMP_BY_MAGNITUDE(g[j], eps);
-		/* Count by value, not bits: 0 and -0 both become +eps. */
-		clamped += (g[j] >= 0 && g[j] < eps) || (g[j] < 0 && g[j] > -eps);
 	}
+	for (int64_t j = 0; j < n; j++)
+		gd[j] = RNAME(clamp_by_magnitude)(g[j], eps, &clamped);
 	return clamped;
 }
 

@@ -47,15 +47,20 @@ __device__ __forceinline__ void load_row(const Params &p, int64_t row, bool vali
 struct RowStats {
 	float mean;
 	float rstd;
+	float s0, s1; /* split backward: the row's sum(g), sum(g * xh) */
 };
 
 __device__ __forceinline__ RowStats load_stats(const Params &p, int64_t row, bool valid)
 {
-	RowStats r = {0.0f, 0.0f};
+	RowStats r = {0.0f, 0.0f, 0.0f, 0.0f};
 	if (valid) {
 		r.rstd = p.rstd[row];
 		if ((p.f & F_LN) && !(p.f & F_MEMEFF))
 			r.mean = p.mean[row];
+		if (p.f & F_PRESUMS) {
+			r.s0 = p.sums[2 * row];
+			r.s1 = p.sums[2 * row + 1];
+		}
 	}
 	return r;
 }
@@ -147,6 +152,7 @@ template <typename T, typename W, int NV> __global__ void BWD_LAUNCH_BOUNDS bwd_
 	const int64_t first = blockIdx.x / p.K, stride = gridDim.x / p.K;
 	const int64_t iters = p.iters;
 	const bool sums = p.f & (F_DGAMMA | F_DBETA);
+	const bool presums = p.f & F_PRESUMS;
 	int vi[NV];
 	uint4 cx[NV], cd[NV];
 	float ag[E], ab[E];
@@ -173,7 +179,7 @@ template <typename T, typename W, int NV> __global__ void BWD_LAUNCH_BOUNDS bwd_
 		load_row<T, NV>(p, next, nvalid, vi, nx, nd);
 		RowStats nst = load_stats(p, next, nvalid);
 #pragma unroll
-		for (int j = 0; j < NV; j++) {
+		for (int j = 0; j < NV && !presums; j++) {
 			float xh[VEC], dy[VEC], gg[VEC];
 			vector_terms<T, W>(p, cx[j], cd[j], vi[j] * VEC, vi[j] < p.nvec, cst, xh,
 					   dy, gg);
@@ -182,7 +188,7 @@ template <typename T, typename W, int NV> __global__ void BWD_LAUNCH_BOUNDS bwd_
 				s[0] += gg[i];
 				s[1] += gg[i] * xh[i];
 			}
-			if (sums && valid) {
+			if (sums && valid && !presums) {
 #pragma unroll
 				for (int i = 0; i < VEC; i++) {
 					ag[j * VEC + i] += dy[i] * xh[i];
@@ -190,7 +196,12 @@ template <typename T, typename W, int NV> __global__ void BWD_LAUNCH_BOUNDS bwd_
 				}
 			}
 		}
-		group_reduce<SumOp<2>>(s, p.G, p.K, sm, parity);
+		if (presums) {
+			s[0] = cst.s0;
+			s[1] = cst.s1;
+		} else {
+			group_reduce<SumOp<2>>(s, p.G, p.K, sm, parity);
+		}
 		const float m1 = (p.f & F_LN) ? s[0] * p.inv_cols : 0.0f, m2 = s[1] * p.inv_cols;
 		uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.dx) + row * p.cols);
 		Params q = p; /* the same job, its weights reloaded rather than kept */
@@ -207,6 +218,13 @@ template <typename T, typename W, int NV> __global__ void BWD_LAUNCH_BOUNDS bwd_
 #pragma unroll
 			for (int i = 0; i < VEC; i++)
 				dx[i] = cst.rstd * (gg[i] - m1 - xh[i] * m2);
+			if (sums && presums) {
+#pragma unroll
+				for (int i = 0; i < VEC; i++) {
+					ag[j * VEC + i] += dy[i] * xh[i];
+					ab[j * VEC + i] += dy[i];
+				}
+			}
 			__stcs(out + vi[j], pack<T>(dx));
 		}
 #pragma unroll
@@ -219,28 +237,84 @@ template <typename T, typename W, int NV> __global__ void BWD_LAUNCH_BOUNDS bwd_
 	}
 	if (sums)
 		write_partials<NV, VEC>(p, first * p.R + g, vi, ag, ab);
-	cluster_done(p.K);
+	if (!presums)
+		cluster_done(p.K);
+}
+
+/*
+ * Split backward, first kernel: sum(g) and sum(g * xh) of whole rows, a
+ * block a row, the row walked in chunks of NV vectors a thread; the tiled
+ * kernel then runs on column slices with these sums (F_PRESUMS).
+ */
+template <typename T, typename W, int NV>
+__global__ void __launch_bounds__(MAX_THREADS) bwd_row_sums(const Params p)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	__shared__ RedSmem sm;
+	const int t = threadIdx.x, G = blockDim.x;
+	int parity = 0;
+
+	for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+		const RowStats st = load_stats(p, row, true);
+		float s[2] = {0.0f, 0.0f};
+		for (int base = 0; base < p.nvec; base += G * NV) {
+			int vi[NV];
+			uint4 x[NV], dy[NV];
+#pragma unroll
+			for (int j = 0; j < NV; j++)
+				vi[j] = base + j * G + t;
+			load_row<T, NV>(p, row, true, vi, x, dy);
+#pragma unroll
+			for (int j = 0; j < NV; j++) {
+				float xh[VEC], d[VEC], gg[VEC];
+				vector_terms<T, W>(p, x[j], dy[j], vi[j] * VEC, vi[j] < p.nvec, st,
+						   xh, d, gg);
+#pragma unroll
+				for (int i = 0; i < VEC; i++) {
+					s[0] += gg[i];
+					s[1] += gg[i] * xh[i];
+				}
+			}
+		}
+		group_reduce<SumOp<2>>(s, G, 1, sm, parity);
+		parity ^= 1;
+		if (t == 0) {
+			p.sums[2 * row] = s[0];
+			p.sums[2 * row + 1] = s[1];
+		}
+	}
 }
 
 template <typename T, typename W, int NV>
-int run(const Params &p, const Shape &s, cudaStream_t stream)
+int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaStream_t stream)
 {
 	int64_t units = (p.rows + s.R - 1) / s.R;
+	cudaError_t err;
 
 	if (units > s.units_cap)
 		units = s.units_cap;
-	cudaError_t err =
-		launch_kernel(bwd_tiled<T, W, NV>, units * s.K, s.threads, s.K, stream, p);
+	if (s.split) {
+		constexpr auto sums = bwd_row_sums<T, W, NV>;
+		int64_t grid = (int64_t)dev->sm_count * resident_blocks<sums>(s.threads);
+		err = launch_kernel(sums, p.rows < grid ? p.rows : grid, s.threads, 1, stream, p);
+		if (err != cudaSuccess)
+			return set_error(err, "backward row sums launch");
+	}
+	err = launch_kernel(bwd_tiled<T, W, NV>, units * s.K, s.threads, s.split ? 1 : s.K, stream,
+			    p);
 	return err == cudaSuccess ? NK_OK : set_error(err, "backward kernel launch");
 }
 
 } /* namespace */
 
-int launch_bwd_tiled(const struct nk_norm_args *a, const Shape &s, float *part, const float *rg,
-		     cudaStream_t stream)
+int launch_bwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev,
+		     const Shape &s, float *part, const float *rg, float *sums, cudaStream_t stream)
 {
 	Params p = params_of(a);
 	p.rg = rg;
+	p.sums = sums;
+	if (s.split)
+		p.f |= F_PRESUMS;
 	p.G = s.G;
 	p.K = s.K;
 	p.R = s.R;
@@ -253,7 +327,7 @@ int launch_bwd_tiled(const struct nk_norm_args *a, const Shape &s, float *part, 
 		constexpr int VEC = 16 / sizeof(T);
 		p.nvec = (int)(a->cols / VEC);
 		return with_nv<BWD_MAX_NV * VEC, VEC>(s.NV, [&](auto nv) {
-			return run<T, W, decltype(nv)::value>(p, s, stream);
+			return run<T, W, decltype(nv)::value>(p, dev, s, stream);
 		});
 	});
 }

@@ -37,7 +37,8 @@ enum : unsigned {
 	F_BETA = 1u << 3,
 	F_DGAMMA = 1u << 4,
 	F_DBETA = 1u << 5,
-	F_ACCUM = 1u << 6, /* dgamma/dbeta += */
+	F_ACCUM = 1u << 6,   /* dgamma/dbeta += */
+	F_PRESUMS = 1u << 7, /* backward: row sums come from p.sums (split rows) */
 };
 
 /* Everything a kernel needs, passed by value. */
@@ -52,6 +53,7 @@ struct Params {
 	void *dx;
 	float *part;       /* [2][part_rows][cols] dgamma, then dbeta partials */
 	const float *rg;   /* memory-efficient: [cols] 1 / clamp(gamma) */
+	float *sums;       /* split backward: [rows][2] sum(g), sum(g * xh) */
 	int64_t part_rows; /* partial rows of each weight gradient */
 	int64_t rows;
 	int64_t cols;
@@ -61,7 +63,7 @@ struct Params {
 	float inv_cols; /* 1 / cols, rounded once from double */
 	unsigned f;
 	int G;    /* threads per row (per block of a cluster) */
-	int K;    /* blocks per cluster sharing a row */
+	int K;    /* blocks sharing a row: a cluster, or (F_PRESUMS) column slices */
 	int R;    /* rows a block holds at a time */
 	int nvec; /* 16-byte vectors per row (tiled family) */
 };
@@ -73,14 +75,16 @@ struct Shape {
 	int R;
 	int G;
 	int NV;
-	int K;
+	int K;         /* blocks sharing a row */
+	bool split;    /* backward: K column slices after a row-sums kernel, no cluster */
 	int units_cap; /* backward: most row groups (clusters) in the grid */
 };
 
-/* The variant param word: NV | K << 8 | units_cap << 16. */
-static inline uint32_t shape_param(int nv, int k, int cap)
+/* The variant param word: NV | K << 8 | units_cap << 16 | split << 31. */
+constexpr int MAX_UNITS_CAP = 0x7fff;
+static inline uint32_t shape_param(int nv, int k, int cap, bool split)
 {
-	return (uint32_t)nv | (uint32_t)k << 8 | (uint32_t)cap << 16;
+	return (uint32_t)nv | (uint32_t)k << 8 | (uint32_t)cap << 16 | (uint32_t)split << 31;
 }
 
 Shape shape_of(const struct nk_variant *v);
@@ -96,8 +100,8 @@ int check_launch(const char *where);
 /* Launchers (norm_cuda_fwd.cu, norm_cuda_bwd.cu, norm_cuda_generic.cu). */
 int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev,
 		     const Shape &s, cudaStream_t stream);
-int launch_bwd_tiled(const struct nk_norm_args *a, const Shape &s, float *part, const float *rg,
-		     cudaStream_t stream);
+int launch_bwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev,
+		     const Shape &s, float *part, const float *rg, float *sums, cudaStream_t stream);
 int launch_fwd_generic(const struct nk_norm_args *a, const struct nk_device_info *dev,
 		       const Shape &s, cudaStream_t stream);
 int launch_bwd_generic(const struct nk_norm_args *a, const struct nk_device_info *dev,

@@ -12,6 +12,9 @@
  *     go to a piece of a warp, wider rows to a block of up to 512 threads,
  *     and rows wider than one block holds to a cluster of 2, 4 or 8 blocks
  *     (sm_90);
+ *   - backward rows wider than one block: a cluster of 2 blocks, or else
+ *     split rows (a row-sums kernel, then K column slices of up to 16
+ *     independent blocks; also on sm_80);
  *   - the backward grid is capped by units_cap, computed for a reference
  *     device of REF_SMS multiprocessors and never from the actual one, so the
  *     partial rows (hence the weight gradients' bits) depend on the shape and
@@ -58,7 +61,8 @@ Shape shape_of(const struct nk_variant *v)
 	s.G = s.threads / s.R;
 	s.NV = (int)(v->param & 0xff);
 	s.K = (int)((v->param >> 8) & 0xff);
-	s.units_cap = (int)(v->param >> 16);
+	s.units_cap = (int)((v->param >> 16) & MAX_UNITS_CAP);
+	s.split = (v->param >> 31) != 0;
 	return s;
 }
 
@@ -156,16 +160,23 @@ static int bwd_units_cap(int threads, int elems, int K)
 	if (per_sm < 1)
 		per_sm = 1;
 	int cap = REF_SMS * per_sm / K;
+	if (cap > MAX_UNITS_CAP)
+		cap = MAX_UNITS_CAP;
 	return cap < 1 ? 1 : cap;
 }
+
+/* Most blocks sharing a row: a portable cluster, or split column slices. */
+constexpr int MAX_CLUSTER = 8;
+constexpr int MAX_SLICES = 16;
 
 /*
  * A tiled variant holding up to `nv` vectors a thread, with blocks of
  * `warp_threads` for rows that fit a warp and of at most `block_max` threads
- * (then clusters) for wider rows. False if none fits the job.
+ * for wider rows; rows wider than one block go to a cluster or, with
+ * `split` (backward), to column slices. False if none fits the job.
  */
 static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int nv,
-			  int warp_threads, int block_max, struct nk_variant *v)
+			  int warp_threads, int block_max, bool split, struct nk_variant *v)
 {
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
@@ -182,9 +193,10 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 		nv = pow2_ceil((nvec + G - 1) / G);
 		R = warp_threads / G;
 	} else {
-		while (K <= 8 && nvec > (int64_t)block_max * nv * K)
+		const int kmax = split ? MAX_SLICES : MAX_CLUSTER;
+		while (K <= kmax && nvec > (int64_t)block_max * nv * K)
 			K *= 2;
-		if (K > 8 || (K > 1 && dev->cc_major < 9))
+		if (K > kmax || (K > 1 && !split && dev->cc_major < 9))
 			return false;
 		G = (int)((nvec + (int64_t)nv * K - 1) / ((int64_t)nv * K));
 		G = (G + 31) / 32 * 32;
@@ -195,7 +207,8 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 	v->threads = (uint16_t)(G * R);
 	v->rows_per_block = (uint16_t)R;
 	v->vec_elems = (uint16_t)vec;
-	v->param = shape_param(nv, K, is_bwd(a) ? bwd_units_cap(G * R, nv * vec, K) : 0);
+	split = split && K > 1 && is_bwd(a);
+	v->param = shape_param(nv, K, is_bwd(a) ? bwd_units_cap(G * R, nv * vec, K) : 0, split);
 	return true;
 }
 
@@ -206,7 +219,7 @@ static void generic_variant(const struct nk_norm_args *a, struct nk_variant *v)
 	v->threads = 256;
 	v->rows_per_block = a->cols <= 1024 ? 8 : 1;
 	v->vec_elems = 1;
-	v->param = shape_param(1, 1, is_bwd(a) ? 512 : 0);
+	v->param = shape_param(1, 1, is_bwd(a) ? 512 : 0, false);
 }
 
 /* The largest vectors-a-thread count the tiled kernels allow. */
@@ -228,9 +241,11 @@ static bool tiled_fits(const struct nk_norm_args *a, const struct nk_device_info
 	if (s.threads < 32 || s.threads > block_limit(a, dev) || s.threads % 32 != 0 ||
 	    s.threads % s.R != 0)
 		return false;
-	if (s.K != 1 && s.K != 2 && s.K != 4 && s.K != 8)
+	if (s.K < 1 || s.K > (s.split ? MAX_SLICES : MAX_CLUSTER) || (s.K & (s.K - 1)) != 0)
 		return false;
-	if (s.K > 1 && (s.R != 1 || dev->cc_major < 9))
+	if (s.split && (s.K == 1 || !is_bwd(a)))
+		return false;
+	if (s.K > 1 && (s.R != 1 || (!s.split && dev->cc_major < 9)))
 		return false;
 	if (s.family == NK_FAMILY_WARP_ROWS && (s.G > 32 || (s.G & (s.G - 1)) != 0))
 		return false;
@@ -267,12 +282,25 @@ static size_t partials_bytes(const struct nk_norm_args *a, const struct nk_varia
 	return round256(a->dbeta ? 2 * bytes : bytes);
 }
 
+/* Memory-efficient backward: 1 / clamp(gamma). */
+static size_t rg_bytes(const struct nk_norm_args *a)
+{
+	if (!is_bwd(a) || !(a->flags & NK_MEMORY_EFFICIENT))
+		return 0;
+	return round256((size_t)a->cols * sizeof(float));
+}
+
+/* Split backward: two row sums a row. */
+static size_t sums_bytes(const struct nk_norm_args *a, const struct nk_variant *v)
+{
+	if (!is_bwd(a) || v->family == NK_FAMILY_GENERIC || !shape_of(v).split)
+		return 0;
+	return round256((size_t)a->rows * 2 * sizeof(float));
+}
+
 static size_t workspace_of(const struct nk_norm_args *a, const struct nk_variant *v)
 {
-	size_t rg = 0;
-	if (is_bwd(a) && (a->flags & NK_MEMORY_EFFICIENT))
-		rg = round256((size_t)a->cols * sizeof(float));
-	return partials_bytes(a, v) + rg;
+	return partials_bytes(a, v) + rg_bytes(a) + sums_bytes(a, v);
 }
 
 /* Pointers must at least be aligned to their element size. */
@@ -302,15 +330,17 @@ static int dispatch(const struct nk_norm_args *a, const struct nk_device_info *d
 	if (s.family == NK_FAMILY_GENERIC) {
 		rc = launch_bwd_generic(a, dev, s, part, stream);
 	} else {
-		float *rg = NULL;
+		char *ws = static_cast<char *>(exec->workspace);
+		float *rg = NULL, *sums = NULL;
 		if (a->flags & NK_MEMORY_EFFICIENT) {
-			rg = reinterpret_cast<float *>(static_cast<char *>(exec->workspace) +
-						       partials_bytes(a, v));
+			rg = reinterpret_cast<float *>(ws + partials_bytes(a, v));
 			rc = launch_reciprocal_gamma(a, rg, stream);
 			if (rc != NK_OK)
 				return rc;
 		}
-		rc = launch_bwd_tiled(a, s, part, rg, stream);
+		if (s.split)
+			sums = reinterpret_cast<float *>(ws + partials_bytes(a, v) + rg_bytes(a));
+		rc = launch_bwd_tiled(a, dev, s, part, rg, sums, stream);
 	}
 	if (rc != NK_OK)
 		return rc;
@@ -331,8 +361,12 @@ int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_dev
 	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
 		return NK_EINVAL;
 	int nv = max_nv(args);
-	if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, out))
-		generic_variant(args, out);
+	if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) ||
+	    shape_of(out).K > 2) {
+		/* Clusters of more than two blocks lose to split rows (BENCHMARKS.md). */
+		if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, true, out))
+			generic_variant(args, out);
+	}
 	return NK_OK;
 }
 
@@ -347,9 +381,9 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args,
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
 	for (int nv = max_nv(args); nv >= 1 && n < max; nv /= 2) {
-		for (int k = 0; k < 6 && n < max; k++) {
-			int wt = 128 << (k % 3), bm = k < 3 ? MAX_THREADS : 256;
-			if (!tiled_variant(args, dev, nv, wt, bm, &v))
+		for (int k = 0; k < 12 && n < max; k++) {
+			int wt = 128 << (k % 3), bm = k % 6 < 3 ? MAX_THREADS : 256;
+			if (!tiled_variant(args, dev, nv, wt, bm, k >= 6, &v))
 				continue;
 			bool seen = false;
 			for (int i = 0; i < n; i++)
@@ -396,7 +430,7 @@ void nk_variant_name(const struct nk_variant *variant, char *buf, size_t len)
 	int n = snprintf(buf, len, "%s/t%u/r%u/v%u/n%d", fam, (unsigned)variant->threads,
 			 (unsigned)variant->rows_per_block, (unsigned)variant->vec_elems, s.NV);
 	if (n > 0 && (size_t)n < len && s.K > 1)
-		n += snprintf(buf + n, len - (size_t)n, "/c%d", s.K);
+		n += snprintf(buf + n, len - (size_t)n, s.split ? "/s%d" : "/c%d", s.K);
 	if (n > 0 && (size_t)n < len && s.units_cap > 0)
 		snprintf(buf + n, len - (size_t)n, "/p%d", s.units_cap);
 }

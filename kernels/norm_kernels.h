@@ -15,9 +15,12 @@
  *   Backward:      dx, and dgamma / dbeta when those pointers are non-NULL.
  *                  dgamma/dbeta are overwritten unless NK_ACCUMULATE is set.
  *   NK_MEMORY_EFFICIENT backward reads y (passed in `x`) instead of x and
- *   recomputes x_hat = (y - beta) / clamp(gamma) (RMS: y / clamp(gamma)),
- *   where clamp() moves gamma values with |gamma| < eps to +-eps as apex's
- *   clamp_by_magnitude does (gamma == 0 becomes +eps). mean is not read then.
+ *   recomputes x_hat = (y - beta) / clamp(gamma) (RMS: y / clamp(gamma);
+ *   beta absent: 0; gamma absent: x_hat = y), where clamp() moves gamma
+ *   values with |gamma| < eps to +-eps as apex's clamp_by_magnitude does
+ *   (0 <= gamma < eps becomes +eps, -eps < gamma < 0 becomes -eps, so both
+ *   zeros become +eps). The dy * gamma terms of dx use the real gamma. mean
+ *   is not read then.
  *
  * Nothing here allocates device memory, synchronizes, or exits; every
  * function reports failure through its return value (enum nk_status).
@@ -62,7 +65,7 @@ enum nk_flags {
 };
 
 /*
- * One normalization job. Tensors that an op does not use are ignored.
+ * One normalization job.
  *   dtype        x, y, dy, dx
  *   weight_dtype gamma, beta, dgamma, dbeta (equal to dtype, or NK_F32)
  *
@@ -74,8 +77,14 @@ enum nk_flags {
  * RMS bwd  dy, x|y, rstd, gamma?                dx, dgamma? (needs gamma)
  *
  * "?" means optional: NULL skips it. dgamma = sum over rows of dy * x_hat,
- * dbeta = sum over rows of dy; both are fp32-accumulated and stored in
- * weight_dtype. beta without gamma is refused (apex has no such mode).
+ * dbeta = sum over rows of dy; both are accumulated in the compute type
+ * (fp32; fp64 in the CPU reference) and stored in weight_dtype, rounded
+ * once. With NK_ACCUMULATE the stored value is old + sum, rounded once.
+ * beta without gamma is refused (apex has no such mode); dbeta without beta
+ * is allowed (the gradient of a bias that is zero), dbeta without gamma is
+ * not. Tensors of the other direction (dy, dx, dgamma, dbeta of a forward
+ * op; y of a backward op) are ignored, and so is mean in memory-efficient
+ * LayerNorm backward. Tensors may have any alignment.
  */
 struct nk_norm_args {
 	enum nk_op op;
@@ -109,20 +118,40 @@ size_t nk_dtype_size(enum nk_dtype dtype);
 const char *nk_dtype_name(enum nk_dtype dtype);
 const char *nk_op_name(enum nk_op op);
 
-/* Storage conversions, round to nearest even; NaN stays NaN. */
+/*
+ * Storage conversions. To 16 bits: round to nearest, ties to even, with
+ * subnormals, overflow to infinity, and NaN kept NaN (sign and top payload
+ * bits kept, made quiet). To fp32: exact.
+ */
 float nk_f16_to_f32(uint16_t h);
 uint16_t nk_f32_to_f16(float f);
 float nk_bf16_to_f32(uint16_t b);
 uint16_t nk_f32_to_bf16(float f);
 
-/* Element i of a buffer of `dtype` as double / stored from double (rounded once). */
+/*
+ * Element i of a buffer of `dtype` as double (exact; NaN for an unknown
+ * dtype) / stored from a double, rounded once, straight from the double
+ * (nothing is written for an unknown dtype). Any alignment.
+ */
 double nk_load(enum nk_dtype dtype, const void *base, size_t i);
 void nk_store(enum nk_dtype dtype, void *base, size_t i, double value);
 
 /*
  * Checks the combination of op, flags, dtypes and which tensors are present
  * (not their sizes: the caller bounds-checks memory). Returns NK_OK or
- * NK_EINVAL and, if `why` is non-NULL, a static one-line reason.
+ * NK_EINVAL and, if `why` is non-NULL, a static one-line reason (NULL on
+ * NK_OK). Refused:
+ *   - args NULL; an op, dtype or weight_dtype outside its enum;
+ *     weight_dtype neither dtype nor NK_F32 (e.g. f16 data, bf16 weights);
+ *   - rows < 1, cols < 1, cols > 2^32 - 1 (clamped_cols must count them),
+ *     rows * cols > 2^59 (byte offsets must fit in int64_t);
+ *   - eps not finite or not > 0 (NaN included);
+ *   - flag bits outside enum nk_flags; NK_MEMORY_EFFICIENT or NK_ACCUMULATE
+ *     on a forward op;
+ *   - x absent; forward without y; backward without dy, dx or rstd;
+ *     LayerNorm backward without mean unless memory-efficient;
+ *   - beta without gamma; dgamma or dbeta without gamma;
+ *   - RMSNorm with beta, mean or dbeta (it has none of them).
  */
 int nk_norm_check(const struct nk_norm_args *args, const char **why);
 
@@ -140,9 +169,15 @@ struct nk_cpu_opts {
 
 /*
  * Runs one job on host memory. Results do not depend on `threads`: rows are
- * split into blocks by a rule of rows alone, and per-block dgamma/dbeta
- * partials are summed in block order. Returns NK_OK, NK_EINVAL, NK_ENOMEM.
- * Thread-safe: concurrent calls on disjoint outputs are fine.
+ * split into at most 32 blocks by a rule of rows and cols alone, and
+ * per-block dgamma/dbeta partials are summed in block order. Helper threads
+ * (threads - 1 of them, at most one per block) are started by the call
+ * only for jobs of more than 256K elements. opts NULL: NK_CPU_FP32 on the
+ * calling thread. result (may be NULL) gets the clamped count of a
+ * memory-efficient backward, else 0. Returns NK_OK, NK_EINVAL (see
+ * nk_norm_check; also an unknown precision), NK_ENOMEM (scratch of about
+ * (4 * threads + 3 + 2 * blocks) * cols compute-type elements could not be
+ * allocated). Thread-safe: concurrent calls on disjoint outputs are fine.
  */
 int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
 		struct nk_norm_result *result);

@@ -5,8 +5,7 @@
  */
 #include "client/lib/internal.h"
 
-NC_API double nc_latency_quantile_us(const uint64_t buckets[NC_LATENCY_BUCKETS],
-				     double quantile)
+NC_API double nc_latency_quantile_us(const uint64_t buckets[NC_LATENCY_BUCKETS], double quantile)
 {
 	if (!buckets)
 		return 0.0;

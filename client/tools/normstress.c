@@ -122,36 +122,40 @@ static const struct name_value dtype_names[] = {
 	{"f32", NC_F32}, {"f16", NC_F16}, {"bf16", NC_BF16},
 };
 
+static const char usage_text[] =
+	"usage: normstress [--socket PATH] [--procs N] [--threads T]\n"
+	"                  (--jobs J | --duration S) [--ops LIST] [--dtypes LIST]\n"
+	"                  [--rows LIST|MIN-MAX] [--cols LIST|MIN-MAX] [--inflight K]\n"
+	"                  [--mode sync|event] [--verify FRACTION] [--seed S] [--json FILE]\n"
+	"                  [--kill-rate R] [--bad-rate R] [--timeout MS] [--kit-reuse N]\n"
+	"\n"
+	"  --socket PATH      the daemon's socket ($NORMD_SOCKET, else " DEFAULT_SOCKET ")\n"
+	"  --procs N          client processes (1)\n"
+	"  --threads T        threads per process, each with its own connection (1)\n"
+	"  --jobs J           stop after J requests in all\n"
+	"  --duration S       stop after S seconds (with --jobs: whichever comes first)\n"
+	"  --ops LIST         ops to mix: ln_fwd,ln_bwd,rms_fwd,rms_bwd (all)\n"
+	"  --dtypes LIST      input dtypes to mix: f32,f16,bf16 (all); half of the\n"
+	"                     f16/bf16 jobs get f32 weights\n"
+	"  --rows, --cols     sizes: a list (1,7,256) or a range drawn log-uniformly\n"
+	"                     (rows 1-256, cols 1-4096)\n"
+	"  --inflight K       requests in flight per thread (4)\n"
+	"  --mode sync|event  completion mode; event needs the CUDA backend (sync)\n"
+	"  --verify FRACTION  fraction of results checked against the float64\n"
+	"                     reference (0.01)\n"
+	"  --seed S           seed of every random choice (1)\n"
+	"  --json FILE        write the summary as JSON too\n"
+	"  --kill-rate R      SIGKILL and restart each process R times a second (0)\n"
+	"  --bad-rate R       fraction of requests replaced by invalid ones (0)\n"
+	"  --timeout MS       longest wait for a reply before it is an error (30000)\n"
+	"  --kit-reuse N      jobs per region before it is replaced; 0: never (100)\n"
+	"\n"
+	"Exit status: 0 if every valid job succeeded and verified and every invalid\n"
+	"request got its expected error; 1 otherwise; 2 for usage errors.\n";
+
 static void usage(FILE *f)
 {
-	fprintf(f,
-		"usage: normstress [--socket PATH] [--procs N] [--threads T] (--jobs J | --duration S)\n"
-		"                  [--ops ln_fwd,ln_bwd,rms_fwd,rms_bwd] [--dtypes f32,f16,bf16]\n"
-		"                  [--rows LIST|MIN-MAX] [--cols LIST|MIN-MAX] [--inflight K]\n"
-		"                  [--mode sync|event] [--verify FRACTION] [--seed S] [--json FILE]\n"
-		"                  [--kill-rate R] [--bad-rate R] [--timeout MS] [--kit-reuse N]\n"
-		"\n"
-		"  --socket PATH      the daemon's socket ($NORMD_SOCKET, else %s)\n"
-		"  --procs N          client processes (1)\n"
-		"  --threads T        threads per process, each with its own connection (1)\n"
-		"  --jobs J           stop after J requests in all\n"
-		"  --duration S       stop after S seconds (with --jobs: whichever comes first)\n"
-		"  --ops LIST         ops to mix (all four)\n"
-		"  --dtypes LIST      input dtypes to mix; f16/bf16 get f32 weights half the time (all)\n"
-		"  --rows, --cols     sizes: a list (1,7,256) or a range drawn log-uniformly (1-256, 1-4096)\n"
-		"  --inflight K       requests in flight per thread (4)\n"
-		"  --mode sync|event  completion mode; event needs the CUDA backend (sync)\n"
-		"  --verify FRACTION  fraction of results checked against the float64 reference (0.01)\n"
-		"  --seed S           seed of every random choice (1)\n"
-		"  --json FILE        write the summary as JSON too\n"
-		"  --kill-rate R      SIGKILL and restart each process R times per second on average (0)\n"
-		"  --bad-rate R       fraction of requests replaced by invalid ones (0)\n"
-		"  --timeout MS       longest wait for one reply before it counts as an error (30000)\n"
-		"  --kit-reuse N      jobs per region set before it is replaced; 0: never (100)\n"
-		"\n"
-		"Exit status: 0 if every valid job succeeded and verified and every invalid request\n"
-		"got its expected error; 1 otherwise; 2 for usage errors.\n",
-		DEFAULT_SOCKET);
+	fputs(usage_text, f);
 }
 
 static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out)
@@ -687,7 +691,7 @@ static void bad_tensor(const struct kit *k, uint64_t *rng, int kind, struct nc_j
 	if (kind == BAD_REGION)
 		t->region = UINT64_MAX - rng_below(rng, 1024); /* ids are handed out from 1 up */
 	else if (kind == BAD_OFFSET)
-		t->offset = size - bytes + 1 + rng_below(rng, bytes); /* ends 1..bytes past the end */
+		t->offset = size - bytes + 1 + rng_below(rng, bytes); /* 1..bytes too far */
 	else
 		t->offset = UINT64_MAX - rng_below(rng, 64);
 }
@@ -931,7 +935,8 @@ static void worker_complete(struct worker *w, struct flight *f, int rc,
 		char what[128];
 		worker_unexpected(w, rc);
 		kit_describe(k, what, sizeof(what));
-		worker_say(w, "valid job %s failed: %s: %s", what, nc_status_name(rc), res->message);
+		worker_say(w, "valid job %s failed: %s: %s", what, nc_status_name(rc),
+			   res->message);
 		return;
 	}
 	slot_add(w->slot, C_JOBS_OK, 1);
@@ -1227,8 +1232,8 @@ static void parent_kill_hung(struct stress *st, uint64_t now)
 	for (unsigned p = 0; p < st->opt.procs; p++) {
 		struct child *c = &st->children[p];
 		if (c->pid > 0 && !c->hung) {
-			fprintf(stderr, "normstress: client process %u did not finish; killing it\n",
-				p);
+			fprintf(stderr,
+				"normstress: client process %u did not finish; killing it\n", p);
 			kill(c->pid, SIGKILL); /* a failure, not chaos */
 			c->hung = true;
 		}
@@ -1313,9 +1318,9 @@ static void parent_progress(struct stress *st, uint64_t now)
 		return;
 	totals_merge(st, t);
 	double dt = (double)(now - st->last_progress_ns) / 1e9;
-	double rate = st->last_progress_ns ? (double)(t->count[C_JOBS_OK] - st->last_progress_jobs) / dt
-					   : 0;
-	fprintf(stderr, "\r%7.1f s  %llu jobs  %.0f jobs/s  %llu errors  p99 %.3f ms  %u kills\033[K",
+	double rate = (double)(t->count[C_JOBS_OK] - st->last_progress_jobs) / dt;
+	fprintf(stderr,
+		"\r%7.1f s  %llu jobs  %.0f jobs/s  %llu errors  p99 %.3f ms  %u kills\033[K",
 		(double)(now - st->t_start_ns) / 1e9, (unsigned long long)t->count[C_JOBS_OK], rate,
 		(unsigned long long)(t->count[C_UNEXPECTED] + t->count[C_MISMATCHES]),
 		totals_quantile_us(t, 0.99) / 1e3, st->kills);
@@ -1400,12 +1405,14 @@ static int preflight(struct stress *st)
 				"(it orders jobs with CUDA IPC events); use --mode sync\n");
 		status = 2;
 	} else if (strcmp(info->backend, "cpu") != 0) {
-		fprintf(stderr, "normstress: the %s backend needs CUDA IPC regions, which normstress "
-				"does not create yet (it has host memfd regions for the cpu backend)\n",
+		fprintf(stderr,
+			"normstress: the %s backend needs CUDA IPC regions, which normstress "
+			"does not create yet (it has host memfd regions for the cpu backend)\n",
 			info->backend);
 		status = 2;
 	} else if (info->max_jobs_in_flight && o->inflight > info->max_jobs_in_flight) {
-		fprintf(stderr, "normstress: --inflight %u exceeds the daemon's max_jobs_in_flight %u\n",
+		fprintf(stderr,
+			"normstress: --inflight %u exceeds the daemon's max_jobs_in_flight %u\n",
 			o->inflight, info->max_jobs_in_flight);
 		status = 2;
 	}
@@ -1451,7 +1458,8 @@ static void report_text(const struct stress *st, const struct totals *t, double 
 	printf("invalid     %llu sent, %llu answered as expected; statuses:",
 	       (unsigned long long)n[C_BAD_SENT], (unsigned long long)n[C_BAD_EXPECTED]);
 	print_status_map(t->bad_status);
-	printf("chaos       %u processes killed, %llu requests lost with them, %llu regions created\n",
+	printf("chaos       %u processes killed, %llu requests lost with them, "
+	       "%llu regions created\n",
 	       st->kills, (unsigned long long)st->lost, (unsigned long long)n[C_KITS]);
 	printf("errors      %llu unexpected, %u client processes failed; valid jobs failed:",
 	       (unsigned long long)n[C_UNEXPECTED], st->child_failures);
@@ -1459,7 +1467,8 @@ static void report_text(const struct stress *st, const struct totals *t, double 
 	if (st->have_after)
 		printf("daemon      up; rss %.1f MiB before, %.1f MiB after (%+.1f%%); %u regions, "
 		       "%u jobs left\n",
-		       (double)st->before.rss_bytes / 1048576.0, (double)st->after.rss_bytes / 1048576.0,
+		       (double)st->before.rss_bytes / 1048576.0,
+		       (double)st->after.rss_bytes / 1048576.0,
 		       st->before.rss_bytes ? 100.0 * ((double)st->after.rss_bytes /
 							(double)st->before.rss_bytes - 1.0)
 					    : 0.0,
@@ -1487,17 +1496,17 @@ static void json_body(FILE *f, const struct stress *st, const struct totals *t, 
 {
 	const struct stress_opts *o = &st->opt;
 	const uint64_t *n = t->count;
-	fprintf(f, "{\"procs\":%u,\"threads\":%u,\"inflight\":%u,\"mode\":\"%s\",\"backend\":\"%s\","
-		   "\"seed\":%llu,\"elapsed_s\":%.3f,\"jobs_ok\":%llu,\"jobs_per_s\":%.1f,"
-		   "\"bytes\":%llu,\"bytes_per_s\":%.0f,",
+	fprintf(f, "{\"procs\":%u,\"threads\":%u,\"inflight\":%u,\"mode\":\"%s\","
+		   "\"backend\":\"%s\",\"seed\":%llu,\"elapsed_s\":%.3f,\"jobs_ok\":%llu,"
+		   "\"jobs_per_s\":%.1f,\"bytes\":%llu,\"bytes_per_s\":%.0f,",
 		o->procs, o->threads, o->inflight, o->mode == MODE_EVENT ? "event" : "sync",
 		st->backend, (unsigned long long)o->seed, elapsed, (unsigned long long)n[C_JOBS_OK],
 		(double)n[C_JOBS_OK] / elapsed, (unsigned long long)n[C_BYTES],
 		(double)n[C_BYTES] / elapsed);
 	fprintf(f, "\"latency_us\":{\"p50\":%.1f,\"p90\":%.1f,\"p99\":%.1f,\"p99_9\":%.1f,"
 		   "\"max\":%.1f},",
-		totals_quantile_us(t, 0.50), totals_quantile_us(t, 0.90), totals_quantile_us(t, 0.99),
-		totals_quantile_us(t, 0.999), (double)t->max_ns / 1e3);
+		totals_quantile_us(t, 0.50), totals_quantile_us(t, 0.90),
+		totals_quantile_us(t, 0.99), totals_quantile_us(t, 0.999), (double)t->max_ns / 1e3);
 	fprintf(f, "\"verified\":%llu,\"mismatches\":%llu,\"bad_sent\":%llu,\"bad_expected\":%llu,",
 		(unsigned long long)n[C_VERIFIED], (unsigned long long)n[C_MISMATCHES],
 		(unsigned long long)n[C_BAD_SENT], (unsigned long long)n[C_BAD_EXPECTED]);
@@ -1508,8 +1517,8 @@ static void json_body(FILE *f, const struct stress *st, const struct totals *t, 
 		   "\"child_failures\":%u,\"daemon_up\":%s,",
 		st->kills, (unsigned long long)st->lost, (unsigned long long)n[C_KITS],
 		st->child_failures, st->have_after ? "true" : "false");
-	fprintf(f, "\"daemon_rss_before\":%llu,\"daemon_rss_after\":%llu,\"daemon_regions_after\":%u,"
-		   "\"passed\":%s}\n",
+	fprintf(f, "\"daemon_rss_before\":%llu,\"daemon_rss_after\":%llu,"
+		   "\"daemon_regions_after\":%u,\"passed\":%s}\n",
 		(unsigned long long)st->before.rss_bytes, (unsigned long long)st->after.rss_bytes,
 		st->after.regions, run_passed(st, t) ? "true" : "false");
 }
@@ -1536,9 +1545,11 @@ static int stress_setup(struct stress *st)
 {
 	size_t slots = (size_t)st->opt.procs * st->opt.threads;
 	st->sh_bytes = sizeof(struct shared) + slots * sizeof(struct slot);
-	st->sh = mmap(NULL, st->sh_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	st->sh = mmap(NULL, st->sh_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1,
+		      0);
 	if (st->sh == MAP_FAILED) {
-		fprintf(stderr, "normstress: mmap of %zu bytes: %s\n", st->sh_bytes, strerror(errno));
+		fprintf(stderr, "normstress: mmap of %zu bytes: %s\n", st->sh_bytes,
+			strerror(errno));
 		return -1;
 	}
 	st->children = calloc(st->opt.procs, sizeof(*st->children));

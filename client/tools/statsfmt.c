@@ -14,15 +14,15 @@
 #define STATUS_COUNT 11
 /* The ops every output lists even before they have seen a job. */
 #define FIRST_OP NC_LAYERNORM_FWD
-#define LAST_COMMON_OP NC_RMSNORM_BWD
+#define LAST_COMMON_OP NC_WGRAD_ACCUM
 /* The histogram buckets that become Prometheus buckets: le = 4 us to 2^24 us. */
 #define PROM_FIRST_BUCKET 2
 #define PROM_LAST_BUCKET 24
 
 const char *statsfmt_op_name(unsigned op)
 {
-	static const char *const names[] = {"unknown", "layernorm_fwd", "layernorm_bwd",
-					    "rmsnorm_fwd", "rmsnorm_bwd", "wgrad_accum"};
+	static const char *const names[] = {"unknown",	   "layernorm_fwd", "layernorm_bwd",
+					    "rmsnorm_fwd", "rmsnorm_bwd",   "wgrad_accum"};
 	return op < sizeof(names) / sizeof(names[0]) ? names[op] : "unknown";
 }
 
@@ -96,11 +96,12 @@ void statsfmt_text(FILE *out, const struct nc_stats *s)
 	}
 	uint64_t all[NC_LATENCY_BUCKETS];
 	hist_all(s, all);
-	fprintf(out, "\nlatency          p50 %.0f us, p90 %.0f us, p99 %.0f us (%llu jobs that ran)\n",
+	fprintf(out,
+		"\nlatency          p50 %.0f us, p90 %.0f us, p99 %.0f us (%llu jobs that ran)\n",
 		nc_latency_quantile_us(all, 0.50), nc_latency_quantile_us(all, 0.90),
 		nc_latency_quantile_us(all, 0.99), (unsigned long long)hist_count(all));
-	fprintf(out, "\n%-14s %10s %8s %12s %10s %10s %10s %10s\n", "op", "ok", "failed",
-		"bytes", "p50_us", "p90_us", "p99_us", "mean_us");
+	fprintf(out, "\n%-14s %10s %8s %12s %10s %10s %10s %10s\n", "op", "ok", "failed", "bytes",
+		"p50_us", "p90_us", "p99_us", "mean_us");
 	for (unsigned op = 0; op < NC_STATS_OPS; op++) {
 		const struct nc_op_stats *o = &s->ops[op];
 		if (!op_listed(s, op))
@@ -116,14 +117,15 @@ void statsfmt_text(FILE *out, const struct nc_stats *s)
 			ran ? (double)o->latency_us_sum / (double)ran : 0.0);
 	}
 	if (s->device_count)
-		fprintf(out, "\n%-8s %10s %8s %14s %10s %12s %12s\n", "device", "jobs_ok",
-			"failed", "bytes", "busy_s", "cache_hits", "cache_misses");
+		fprintf(out, "\n%-8s %10s %8s %14s %10s %12s %12s\n", "device", "jobs_ok", "failed",
+			"bytes", "busy_s", "cache_hits", "cache_misses");
 	for (uint32_t i = 0; i < s->device_count; i++) {
 		const struct nc_device_stats *d = &s->devices[i];
 		char label[16], hits[24] = "-", misses[24] = "-";
 		device_label(d, label, sizeof(label));
 		if (d->has_variant_cache) {
-			snprintf(hits, sizeof(hits), "%llu", (unsigned long long)d->variant_cache_hits);
+			snprintf(hits, sizeof(hits), "%llu",
+				 (unsigned long long)d->variant_cache_hits);
 			snprintf(misses, sizeof(misses), "%llu",
 				 (unsigned long long)d->variant_cache_misses);
 		}
@@ -137,8 +139,9 @@ void statsfmt_text(FILE *out, const struct nc_stats *s)
 
 static void json_percentiles(FILE *out, const uint64_t *buckets)
 {
-	fprintf(out, "{\"p50\":%.1f,\"p90\":%.1f,\"p99\":%.1f}", nc_latency_quantile_us(buckets, 0.5),
-		nc_latency_quantile_us(buckets, 0.9), nc_latency_quantile_us(buckets, 0.99));
+	fprintf(out, "{\"p50\":%.1f,\"p90\":%.1f,\"p99\":%.1f}",
+		nc_latency_quantile_us(buckets, 0.5), nc_latency_quantile_us(buckets, 0.9),
+		nc_latency_quantile_us(buckets, 0.99));
 }
 
 static void json_op(FILE *out, const struct nc_op_stats *o)
@@ -159,8 +162,9 @@ static void json_op(FILE *out, const struct nc_op_stats *o)
 
 static void json_device(FILE *out, const struct nc_device_stats *d)
 {
-	fprintf(out, "{\"index\":%d,\"jobs_ok\":%llu,\"jobs_failed\":%llu,\"bytes\":%llu,"
-		     "\"busy_us\":%llu",
+	fprintf(out,
+		"{\"index\":%d,\"jobs_ok\":%llu,\"jobs_failed\":%llu,\"bytes\":%llu,"
+		"\"busy_us\":%llu",
 		(int)d->index, (unsigned long long)d->jobs_ok, (unsigned long long)d->jobs_failed,
 		(unsigned long long)d->bytes, (unsigned long long)d->busy_us);
 	if (d->has_variant_cache)
@@ -172,10 +176,11 @@ static void json_device(FILE *out, const struct nc_device_stats *d)
 
 void statsfmt_json(FILE *out, const struct nc_stats *s)
 {
-	fprintf(out, "{\"backend\":\"%s\",\"uptime_ms\":%llu,\"clients\":%u,\"clients_total\":%llu,"
-		     "\"jobs_ok\":%llu,\"jobs_failed\":%llu,\"jobs_in_flight\":%u,\"regions\":%u,"
-		     "\"mapped_bytes\":%llu,\"rss_bytes\":%llu,\"bytes_processed\":%llu,"
-		     "\"replies_by_status\":{",
+	fprintf(out,
+		"{\"backend\":\"%s\",\"uptime_ms\":%llu,\"clients\":%u,\"clients_total\":%llu,"
+		"\"jobs_ok\":%llu,\"jobs_failed\":%llu,\"jobs_in_flight\":%u,\"regions\":%u,"
+		"\"mapped_bytes\":%llu,\"rss_bytes\":%llu,\"bytes_processed\":%llu,"
+		"\"replies_by_status\":{",
 		s->backend, (unsigned long long)s->uptime_ms, s->clients,
 		(unsigned long long)s->clients_total, (unsigned long long)s->jobs_ok,
 		(unsigned long long)s->jobs_failed, s->jobs_in_flight, s->regions,
@@ -259,7 +264,8 @@ static void prom_histograms(FILE *out, const struct nc_stats *s)
 			cumulative += o->latency_buckets[i];
 			if (i < PROM_FIRST_BUCKET || i > PROM_LAST_BUCKET)
 				continue;
-			fprintf(out, "normd_job_latency_seconds_bucket{op=\"%s\",le=\"%.9g\"} %llu\n",
+			fprintf(out,
+				"normd_job_latency_seconds_bucket{op=\"%s\",le=\"%.9g\"} %llu\n",
 				name, (double)(1ull << i) / 1e6, (unsigned long long)cumulative);
 		}
 		cumulative += o->latency_buckets[NC_LATENCY_BUCKETS - 1];
@@ -283,8 +289,8 @@ static void prom_devices(FILE *out, const struct nc_stats *s)
 		device_label(d, label, sizeof(label));
 		fprintf(out, "normd_device_jobs_total{device=\"%s\",status=\"ok\"} %llu\n", label,
 			(unsigned long long)d->jobs_ok);
-		fprintf(out, "normd_device_jobs_total{device=\"%s\",status=\"failed\"} %llu\n", label,
-			(unsigned long long)d->jobs_failed);
+		fprintf(out, "normd_device_jobs_total{device=\"%s\",status=\"failed\"} %llu\n",
+			label, (unsigned long long)d->jobs_failed);
 		cache = cache || d->has_variant_cache;
 	}
 	prom_family(out, "normd_device_busy_seconds_total", "counter",

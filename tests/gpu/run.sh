@@ -8,6 +8,9 @@ build=${1:-build}
 timeout_s=${GPU_TEST_TIMEOUT:-900}
 status=0
 found=0
+# Libraries the GPU machine lacks (it has no Debian packages), copied by `make gpu-progs`.
+export LD_LIBRARY_PATH="$build/lib/gpu-host${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
 for t in "$build"/tests/gpu/test_*; do
 	[ -x "$t" ] || continue
 	found=1

@@ -31,10 +31,10 @@
 
 /* What the daemon's environment says about its supervisor. */
 struct supervisor {
-	const char *notify_socket;  /* $NOTIFY_SOCKET; a '@' name is abstract */
-	const char *watchdog_usec;  /* $WATCHDOG_USEC, or NULL */
-	const char *watchdog_pid;   /* $WATCHDOG_PID; "self": the daemon's own pid */
-	const char *socket;         /* --socket instead of the private one */
+	const char *notify_socket; /* $NOTIFY_SOCKET; a '@' name is abstract */
+	const char *watchdog_usec; /* $WATCHDOG_USEC, or NULL */
+	const char *watchdog_pid;  /* $WATCHDOG_PID; "self": the daemon's own pid */
+	const char *socket;	   /* --socket instead of the private one */
 };
 
 static int64_t now_ms(void)
@@ -111,8 +111,8 @@ static void spawn_supervised(struct test_daemon *d, const struct supervisor *sup
 	if (sup->watchdog_pid)
 		setenv("WATCHDOG_PID", strcmp(sup->watchdog_pid, "self") ? sup->watchdog_pid : pid,
 		       1);
-	execl(bin, bin, "--config", "/dev/null", "--device", "cpu", "--socket", sock,
-	      "--log-level", "debug", (char *)NULL);
+	execl(bin, bin, "--config", "/dev/null", "--device", "cpu", "--socket", sock, "--log-level",
+	      "debug", (char *)NULL);
 	_exit(127);
 }
 
@@ -134,7 +134,7 @@ static void test_ready_status_stopping(void **state)
 	assert_true(probe >= 0);
 	assert_int_equal(raw_hello(probe), 0);
 	close(probe);
-	assert_non_null(strstr(msg, "STATUS=Serving device cpu"));
+	assert_non_null(strstr(msg, "STATUS=CPU backend (host memory): ready"));
 
 	/* Work shows up in the next STATUS= update (every 2 s). */
 	nc_conn *conn;
@@ -171,8 +171,8 @@ static void test_abstract_socket_and_watchdog(void **state)
 	char name[64], msg[1024];
 	snprintf(name, sizeof(name), "@normd-notify-test-%d", (int)getpid());
 	int nfd = notify_listen(name);
-	struct supervisor sup = {.notify_socket = name, .watchdog_usec = "200000",
-				 .watchdog_pid = "self"};
+	struct supervisor sup = {
+	    .notify_socket = name, .watchdog_usec = "200000", .watchdog_pid = "self"};
 	spawn_supervised(&d, &sup);
 	assert_true(notify_expect(nfd, "READY=1", 10000, msg, sizeof(msg)));
 	/* Pings every 100 ms: at least five in a second. */
@@ -195,8 +195,8 @@ static void test_watchdog_meant_for_another_process(void **state)
 	char name[64], msg[1024];
 	snprintf(name, sizeof(name), "@normd-notify-other-%d", (int)getpid());
 	int nfd = notify_listen(name);
-	struct supervisor sup = {.notify_socket = name, .watchdog_usec = "100000",
-				 .watchdog_pid = "1"};
+	struct supervisor sup = {
+	    .notify_socket = name, .watchdog_usec = "100000", .watchdog_pid = "1"};
 	spawn_supervised(&d, &sup);
 	assert_true(notify_expect(nfd, "READY=1", 10000, msg, sizeof(msg)));
 	assert_false(notify_expect(nfd, "WATCHDOG=1", 600, msg, sizeof(msg)));
@@ -226,10 +226,10 @@ static void test_no_ready_when_the_socket_cannot_be_bound(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test(test_ready_status_stopping),
-		cmocka_unit_test(test_abstract_socket_and_watchdog),
-		cmocka_unit_test(test_watchdog_meant_for_another_process),
-		cmocka_unit_test(test_no_ready_when_the_socket_cannot_be_bound),
+	    cmocka_unit_test(test_ready_status_stopping),
+	    cmocka_unit_test(test_abstract_socket_and_watchdog),
+	    cmocka_unit_test(test_watchdog_meant_for_another_process),
+	    cmocka_unit_test(test_no_ready_when_the_socket_cannot_be_bound),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -37,8 +37,8 @@ static void test_counts_by_op_status_and_device(void **state)
 	assert_int_equal(nc_connect(d.socket, "stats", 5000, &conn), NC_OK);
 	/* A LayerNorm forward refused before it runs (rows 0). */
 	struct jobkit kit;
-	struct jobkit_spec spec = {.op = NC_LAYERNORM_FWD, .rows = 4, .cols = 64,
-				   .dtype = NC_F32, .seed = 3};
+	struct jobkit_spec spec = {
+	    .op = NC_LAYERNORM_FWD, .rows = 4, .cols = 64, .dtype = NC_F32, .seed = 3};
 	assert_int_equal(jobkit_create(conn, &spec, &kit), NC_OK);
 	kit.job.rows = 0;
 	struct nc_job_result result;
@@ -102,8 +102,8 @@ static void test_latency_quantiles(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test(test_counts_by_op_status_and_device),
-		cmocka_unit_test(test_latency_quantiles),
+	    cmocka_unit_test(test_counts_by_op_status_and_device),
+	    cmocka_unit_test(test_latency_quantiles),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -57,8 +57,8 @@ static int parse(struct config *cfg, const char **args)
 {
 	char *argv[16] = {"normd"};
 	int argc = 1;
-	while (args && args[argc - 1])
-		argv[argc] = (char *)args[argc - 1], argc++;
+	for (int i = 0; args && args[i] && argc < 15; i++)
+		argv[argc++] = (char *)args[i];
 	bool print_config, show_help;
 	char err[512];
 	config_init(cfg);
@@ -134,10 +134,10 @@ static void test_bad_files_are_refused(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
-		cmocka_unit_test(test_missing_default_file_means_defaults),
-		cmocka_unit_test(test_default_file_is_read_and_flags_win),
-		cmocka_unit_test(test_explicit_config_replaces_the_default),
-		cmocka_unit_test(test_bad_files_are_refused),
+	    cmocka_unit_test(test_missing_default_file_means_defaults),
+	    cmocka_unit_test(test_default_file_is_read_and_flags_win),
+	    cmocka_unit_test(test_explicit_config_replaces_the_default),
+	    cmocka_unit_test(test_bad_files_are_refused),
 	};
 	return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -686,6 +686,12 @@ static void outputs_copy(const struct job *j, unsigned char **out)
 	}
 }
 
+static void outputs_copy_free(const struct job *j, unsigned char **out)
+{
+	for (int k = 0; k < j->nouts; k++)
+		free(out[k]);
+}
+
 static void check_same_bits(const struct job *j, unsigned char *const *want, const char *what)
 {
 	for (int k = 0; k < j->nouts; k++) {
@@ -1002,6 +1008,34 @@ static void test_memory_efficient_clamp_count(void **state)
 	}
 }
 
+/* Without gamma nothing is clamped, whatever eps (which memory-efficient
+ * backward reads for the clamp alone). */
+static void test_memory_efficient_without_gamma(void **state)
+{
+	unsigned char *want[MAX_OUTS];
+	struct nk_norm_result res;
+	struct job j;
+
+	(void)state;
+	for (int k = 0; k < 2; k++) {
+		enum nk_op op = k ? NK_RMSNORM_BWD : NK_LAYERNORM_BWD;
+		struct norm_case c =
+		    make_case(op, NK_F16, NK_F16, AFFINE_NONE, NK_MEMORY_EFFICIENT, 5, 100);
+		job_build(&j, &c, 6500 + (uint64_t)k);
+		assert_int_equal(job_run(&j, NK_CPU_REFERENCE, 1), 0);
+		check_against_oracle(&j);
+		outputs_copy(&j, want);
+		j.args.eps = 4;
+		assert_int_equal(nk_cpu_norm(&j.args, NULL, &res), NK_OK);
+		assert_int_equal(res.clamped_cols, 0);
+		assert_int_equal(
+		    nk_cpu_norm(&j.args, &(struct nk_cpu_opts){NK_CPU_REFERENCE, 1}, &res), NK_OK);
+		check_same_bits(&j, want, "eps = 4");
+		outputs_copy_free(&j, want);
+		job_free(&j);
+	}
+}
+
 /* ---- (d) thread count ------------------------------------------------------------ */
 
 /* 1, 4, 7 and 64 threads give the same bits, in both precisions. */
@@ -1022,8 +1056,7 @@ static void check_thread_invariance(const struct norm_case *c, uint64_t seed)
 			snprintf(what, sizeof(what), "%d threads, precision %d", threads[t], prec);
 			check_same_bits(&j, want, what);
 		}
-		for (int k = 0; k < j.nouts; k++)
-			free(want[k]);
+		outputs_copy_free(&j, want);
 	}
 	job_free(&j);
 }
@@ -1373,8 +1406,7 @@ static void test_cpu_options(void **state)
 	check_same_bits(&j, want, "0 threads");
 	job_run(&j, NK_CPU_FP32, -3);
 	check_same_bits(&j, want, "-3 threads");
-	for (int k = 0; k < j.nouts; k++)
-		free(want[k]);
+	outputs_copy_free(&j, want);
 	job_free(&j);
 }
 
@@ -1648,12 +1680,6 @@ static bool same_out(const struct job *j, int k, unsigned char **a, unsigned cha
 	return memcmp(a[k], b[k], j->outs[k]->bytes) == 0;
 }
 
-static void free_outs(const struct job *j, unsigned char **out)
-{
-	for (int k = 0; k < j->nouts; k++)
-		free(out[k]);
-}
-
 /* Optional outputs may be left out without changing the others; tensors an
  * op does not read or write are neither read nor written. */
 static void test_optional_tensors(void **state)
@@ -1683,8 +1709,8 @@ static void test_optional_tensors(void **state)
 	assert_true(same_out(&j, 0, full, part));
 	for (int i = 0; i < 300; i++)
 		assert_true(isnan(nan_stats[i]));
-	free_outs(&j, full);
-	free_outs(&j, part);
+	outputs_copy_free(&j, full);
+	outputs_copy_free(&j, part);
 	job_free(&j);
 
 	/* Memory-efficient backward never reads mean; dbeta and dgamma may be
@@ -1696,12 +1722,12 @@ static void test_optional_tensors(void **state)
 	a.dbeta = NULL;
 	run_args(&j, &a, part);
 	assert_true(same_out(&j, 0, full, part) && same_out(&j, 1, full, part));
-	free_outs(&j, part);
+	outputs_copy_free(&j, part);
 	a.dgamma = NULL;
 	run_args(&j, &a, part);
 	assert_true(same_out(&j, 0, full, part));
-	free_outs(&j, full);
-	free_outs(&j, part);
+	outputs_copy_free(&j, full);
+	outputs_copy_free(&j, part);
 	job_free(&j);
 	free(nan_stats);
 }
@@ -1791,6 +1817,7 @@ int main(void)
 	    cmocka_unit_test(test_oracle_is_gradient),
 	    cmocka_unit_test(test_memory_efficient_matches_standard),
 	    cmocka_unit_test(test_memory_efficient_clamp_count),
+	    cmocka_unit_test(test_memory_efficient_without_gamma),
 	    cmocka_unit_test(test_threads_do_not_change_bits),
 	    cmocka_unit_test(test_accumulate_adds),
 	    cmocka_unit_test(test_check_refuses),

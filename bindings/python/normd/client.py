@@ -1,0 +1,538 @@
+"""normd.Client: one connection to the daemon, its memory and its jobs."""
+
+import ctypes
+import os
+import sys
+import threading
+import weakref
+
+from . import _lib
+from .dtypes import ITEMSIZE, dtype_of, to_dtype
+from .errors import NormdError, check, status_name
+from .host import HostRegion, host_error, numpy_dtype, to_bf16
+
+DEFAULT_SOCKET = "/run/normd/normd.sock"
+DEFAULT_TIMEOUT_MS = 30000
+
+_EXPANDABLE_HINT = (
+    " -- PyTorch allocates such memory when PYTORCH_CUDA_ALLOC_CONF contains "
+    "expandable_segments:True; normd needs cudaMalloc memory (CUDA IPC), so unset "
+    "that option in processes that use normd")
+
+
+class JobResult:
+    """What the daemon said about a job that succeeded.
+
+    Attributes: status ("OK"), code (0), clamped_cols (memory-efficient
+    backward: gamma entries clamped to eps), device_us, queue_us, variant (the
+    kernel variant that ran), message.
+    """
+
+    __slots__ = ("status", "code", "clamped_cols", "device_us", "queue_us", "variant",
+                 "message")
+
+    def __init__(self, raw):
+        self.code = int(raw.status)
+        self.status = status_name(self.code)
+        self.clamped_cols = int(raw.clamped_cols)
+        self.device_us = int(raw.device_us)
+        self.queue_us = int(raw.queue_us)
+        self.variant = _lib.text(raw.variant)
+        self.message = _lib.text(raw.message)
+
+    def __repr__(self):
+        return ("JobResult(status=%r, variant=%r, device_us=%d, queue_us=%d, clamped_cols=%d)"
+                % (self.status, self.variant, self.device_us, self.queue_us, self.clamped_cols))
+
+
+class _Conn:
+    """The library's connection and what hangs off it.
+
+    Kept apart from Client so that the finalizer that closes it does not
+    keep the Client alive; host regions point here too.
+    """
+
+    def __init__(self, lib, handle):
+        self.lib = lib
+        self.handle = handle
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.regions = {}    # region id -> HostRegion, registered and not yet freed
+        self.abandoned = []  # tensors of jobs that timed out (the daemon may still use them)
+
+    def close(self):
+        with self.lock:
+            handle, self.handle = self.handle, None
+            regions, self.regions = list(self.regions.values()), {}
+        if handle is None:
+            return
+        if os.getpid() != self.pid:
+            # A forked child shares the parent's socket: saying Goodbye or
+            # unregistering would end the parent's session. Leave it alone.
+            return
+        # nc_close() leaves host regions to the caller: free them first.
+        for region in regions:
+            region._release()
+        self.lib.nc_close(handle)
+
+
+def _to_op(op):
+    if isinstance(op, str):
+        try:
+            return int(_lib.Op[op.upper()])
+        except KeyError:
+            raise ValueError("unknown op %r; one of %s" % (op, ", ".join(_lib.Op.__members__)))
+    return int(op)
+
+
+def _struct_to_dict(value):
+    """A ctypes structure or array as plain Python values."""
+    if isinstance(value, ctypes.Structure):
+        return {name: _struct_to_dict(getattr(value, name)) for name, _ in value._fields_}
+    if isinstance(value, ctypes.Array):
+        if value._type_ is ctypes.c_char:
+            return _lib.text(value.value)
+        return [_struct_to_dict(v) for v in value]
+    if isinstance(value, bytes):
+        return _lib.text(value)
+    return value
+
+
+def _is_torch_tensor(obj):
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+
+
+def _extent(obj):
+    """(address, bytes, contiguous) of a numpy array or a torch tensor."""
+    if _is_torch_tensor(obj):
+        return obj.data_ptr(), obj.numel() * obj.element_size(), obj.is_contiguous()
+    iface = getattr(obj, "__array_interface__", None)
+    if iface is None:
+        raise TypeError("cannot use a %s as a job tensor (numpy arrays, torch tensors, "
+                        "NcTensor, HostRegion or (HostRegion, offset))" % type(obj).__name__)
+    return iface["data"][0], obj.nbytes, obj.flags.c_contiguous
+
+
+class PendingJob:
+    """A job sent with Client.submit(); call wait() exactly once."""
+
+    def __init__(self, client, request_id, keepalive):
+        self._client = client
+        self.request_id = request_id
+        self._keepalive = keepalive
+        self._done = False
+
+    def wait(self, timeout_ms=None):
+        """Waits for the reply; returns a JobResult or raises NormdError.
+
+        After a TIMEOUT the job may still complete: wait() may be called again.
+        """
+        if self._done:
+            raise ValueError("job %d was already waited for" % self.request_id)
+        client = self._client
+        result = _lib.NcJobResult()
+        timeout = client.timeout_ms if timeout_ms is None else timeout_ms
+        rc = client._lib.nc_job_wait(client._handle(), self.request_id, timeout,
+                                     ctypes.byref(result))
+        if rc == _lib.STATUS_CODES["TIMEOUT"]:
+            raise NormdError(rc, _lib.text(result.message))
+        self._done = True
+        self._keepalive = None
+        if rc:
+            raise NormdError(rc, _lib.text(result.message))
+        return JobResult(result)
+
+
+class Client:
+    """A connection to normd.
+
+    Args:
+        socket: the daemon's socket path (default: $NORMD_SOCKET, else
+            /run/normd/normd.sock).
+        name: how the daemon's log names this client (default: "python:<program>").
+        timeout_ms: the limit for connecting and, by default, for each job
+            (a negative value: no limit).
+
+    Memory: ``host_array()``/``host_region()`` give shared host memory (CPU
+    backend); CUDA torch tensors are registered on first use, one
+    registration per cudaMalloc allocation (``device_tensor()``), cached for
+    the life of the connection. Jobs: ``run()`` (waits; with ``stream=`` it
+    orders the job after the work queued on that CUDA stream) and
+    ``submit()`` (returns a PendingJob). Every failure raises NormdError.
+
+    A client may be used from several threads. Close it with ``close()`` or
+    a ``with`` block; one that is garbage collected or still open at exit is
+    closed then. A forked child must open its own client.
+    """
+
+    def __init__(self, socket=None, name=None, timeout_ms=DEFAULT_TIMEOUT_MS):
+        self._lib = _lib.load()
+        self.socket = socket or os.environ.get("NORMD_SOCKET") or DEFAULT_SOCKET
+        self.timeout_ms = int(timeout_ms)
+        if name is None:
+            name = "python:%s" % (os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0]
+                                  else "python")
+        handle = ctypes.c_void_p()
+        check(self._lib.nc_connect(os.fsencode(self.socket), name.encode(), self.timeout_ms,
+                                   ctypes.byref(handle)))
+        self._conn = _Conn(self._lib, handle.value)
+        self._finalizer = weakref.finalize(self, self._conn.close)
+
+    # ---- the connection ---------------------------------------------------------
+
+    def _handle(self):
+        conn = self._conn
+        if conn.handle is None:
+            raise NormdError(_lib.STATUS_CODES["INVALID_ARGUMENT"], "the client is closed")
+        if os.getpid() != conn.pid:
+            raise NormdError(_lib.STATUS_CODES["INVALID_ARGUMENT"],
+                             "this client was opened by process %d; a forked child must "
+                             "open its own normd.Client" % conn.pid)
+        return conn.handle
+
+    @property
+    def closed(self):
+        """True after close()."""
+        return self._conn.handle is None
+
+    def close(self):
+        """Frees this client's host regions, says Goodbye and closes. Idempotent.
+
+        Arrays made from host regions stay readable; CUDA registrations are
+        released by the daemon once their jobs end.
+        """
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return "<normd.Client %s%s>" % (self.socket, " closed" if self.closed else "")
+
+    @property
+    def server_info(self):
+        """The daemon's HelloReply as a dict (version, backend, server_pid, limits, devices)."""
+        info = _struct_to_dict(self._lib.nc_server_info(self._handle()).contents)
+        info["device_index"] = info["device_index"][:info["device_count"]]
+        return info
+
+    @property
+    def backend(self):
+        """"cpu" or "cuda"."""
+        return self.server_info["backend"]
+
+    def ping(self, timeout_ms=None):
+        """A round trip with no work; raises NormdError if the daemon does not answer."""
+        timeout = self.timeout_ms if timeout_ms is None else timeout_ms
+        check(self._lib.nc_ping(self._handle(), timeout))
+
+    def stats(self, timeout_ms=None):
+        """The daemon's counters (struct nc_stats) as a dict of plain values."""
+        out = _lib.NcStats()
+        timeout = self.timeout_ms if timeout_ms is None else timeout_ms
+        check(self._lib.nc_stats_get(self._handle(), timeout, ctypes.byref(out)))
+        stats = _struct_to_dict(out)
+        stats["devices"] = stats["devices"][:stats["device_count"]]
+        return stats
+
+    def variants(self, timeout_ms=None):
+        """The daemon's kernel-variant cache as a list of dicts (empty on the CPU backend)."""
+        entries = ctypes.POINTER(_lib.NcVariantInfo)()
+        count = ctypes.c_size_t()
+        timeout = self.timeout_ms if timeout_ms is None else timeout_ms
+        check(self._lib.nc_variants_get(self._handle(), timeout, ctypes.byref(entries),
+                                        ctypes.byref(count)))
+        try:
+            return [_struct_to_dict(entries[i]) for i in range(count.value)]
+        finally:
+            self._lib.nc_variants_free(entries)
+
+    # ---- memory -----------------------------------------------------------------
+
+    def host_region(self, size):
+        """size bytes of zeroed shared host memory registered with the daemon."""
+        self._handle()
+        region = HostRegion(self, size)
+        with self._conn.lock:
+            self._conn.regions[region.id] = region
+        return region
+
+    def host_array(self, shape, dtype):
+        """A zeroed numpy array of shape and dtype in a host region of its own.
+
+        dtype: float32, float16 (numpy dtypes or names), or "bf16" (stored as
+        uint16 bit patterns). The array is an ordinary ndarray whose memory
+        the daemon reads and writes in place; free its region with
+        ``free(array)`` (or let close() free it).
+        """
+        store = numpy_dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        count = 1
+        for d in shape:
+            count *= d
+        region = self.host_region(max(1, count * store.itemsize))
+        return region.array(shape, store, 0)
+
+    def host_copy(self, values, dtype=None):
+        """A host_array holding a copy of `values`, converted to dtype if given.
+
+        For dtype "bf16", float values are rounded to bf16 bit patterns
+        (normd.to_bf16); uint16 values are taken as bf16 bits already.
+        """
+        import numpy
+
+        values = numpy.asarray(values)
+        store = numpy_dtype(values.dtype if dtype is None else dtype)
+        if store == numpy.uint16 and values.dtype != numpy.uint16:
+            values = to_bf16(values)
+        out = self.host_array(values.shape, store)
+        out[...] = values
+        return out
+
+    def region_of(self, obj):
+        """The HostRegion holding a numpy array (or CPU torch tensor), or None."""
+        address, nbytes, _ = _extent(obj)
+        with self._conn.lock:
+            for region in self._conn.regions.values():
+                if region.contains(address, max(nbytes, 1)):
+                    return region
+        return None
+
+    def free(self, obj):
+        """Frees a HostRegion, or the region holding an array made by host_array()."""
+        region = obj if isinstance(obj, HostRegion) else self.region_of(obj)
+        if region is None:
+            raise host_error("%s is not in a host region of this client" % type(obj).__name__)
+        self._free_region(region)
+
+    def _free_region(self, region):
+        with self._conn.lock:
+            live = self._conn.regions.pop(region.id, None) is region
+        if not live:
+            return
+        if os.getpid() != self._conn.pid:
+            return
+        check(region._release())
+
+    def device_tensor(self, ptr):
+        """The job tensor for CUDA device pointer `ptr` (an int).
+
+        Registers the cudaMalloc allocation containing it on first use and
+        reuses that registration afterwards (nc_tensor_device).
+        """
+        out = _lib.NcTensor()
+        rc = self._lib.nc_tensor_device(self._handle(), ctypes.c_void_p(int(ptr)),
+                                        ctypes.byref(out))
+        if rc < 0:
+            message = _lib.text(self._lib.nc_last_error())
+            if rc == _lib.STATUS_CODES["UNSUPPORTED"]:
+                message += _EXPANDABLE_HINT
+            raise NormdError(rc, message)
+        return out
+
+    def tensor(self, obj):
+        """The job tensor (NcTensor) naming `obj`.
+
+        obj: None (absent), an NcTensor, a HostRegion (offset 0), a
+        (HostRegion, offset) pair, a numpy array or CPU torch tensor inside
+        one of this client's host regions, or a CUDA torch tensor.
+        """
+        if obj is None:
+            return _lib.NcTensor(0, 0)
+        if isinstance(obj, _lib.NcTensor):
+            return obj
+        if isinstance(obj, HostRegion):
+            return obj.tensor(0)
+        if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], HostRegion):
+            return obj[0].tensor(obj[1])
+        if _is_torch_tensor(obj) and obj.is_cuda:
+            if obj.numel() == 0:
+                raise ValueError("an empty tensor cannot be a job tensor")
+            return self.device_tensor(obj.data_ptr())
+        address, nbytes, _ = _extent(obj)
+        if nbytes == 0:
+            raise ValueError("an empty array cannot be a job tensor")
+        region = self.region_of(obj)
+        if region is None:
+            raise host_error(
+                "the %s at 0x%x (%d bytes) is not inside a host region registered by this "
+                "client; allocate it with client.host_array() or client.host_region()"
+                % (type(obj).__name__, address, nbytes))
+        return region.tensor(address - region.address)
+
+    # ---- jobs -------------------------------------------------------------------
+
+    def make_job(self, op, rows, cols, *, dtype=None, weight_dtype=None, eps=None,
+                 memory_efficient=False, accumulate=False, overwrite=False, out_features=0,
+                 deadline_us=0, **tensors):
+        """Builds a struct nc_job; returns (job, objects to keep alive while it runs).
+
+        op: an Op, its name ("LAYERNORM_FWD"...) or a number. rows, cols: the
+        [rows, cols] view (WGRAD_ACCUM: rows = tokens, cols = in features,
+        out_features = out). dtype: of x/y/dy/dx, inferred from x (or dy)
+        when omitted. weight_dtype: of gamma/beta/dgamma/dbeta (WGRAD_ACCUM:
+        main_grad), inferred from them when omitted; same as dtype, or
+        float32. eps: None for the daemon's default 1e-5.
+
+        Tensors by role (x, y, mean, rstd, gamma, beta, dy, dx, dgamma,
+        dbeta, main_grad): anything tensor() accepts. numpy arrays and torch
+        tensors are checked here (contiguous, dtype, enough elements) before
+        anything is sent; NcTensor values are the daemon's to check.
+        """
+        unknown = set(tensors) - set(_lib.TENSOR_ROLES)
+        if unknown:
+            raise TypeError("unknown tensor role(s) %s; roles are %s"
+                            % (", ".join(sorted(unknown)), ", ".join(_lib.TENSOR_ROLES)))
+        op = _to_op(op)
+        wgrad = op == _lib.Op.WGRAD_ACCUM
+        dtype = self._job_dtype(dtype, tensors)
+        weight_dtype = self._job_weight_dtype(weight_dtype, dtype, tensors, wgrad)
+        job = _lib.NcJob()
+        job.op, job.rows, job.cols = op, int(rows), int(cols)
+        job.eps = 0.0 if eps is None else float(eps)
+        job.dtype = int(dtype) if dtype is not None else 0
+        job.weight_dtype = int(weight_dtype)
+        job.flags = ((_lib.MEMORY_EFFICIENT if memory_efficient else 0) |
+                     (_lib.ACCUMULATE if accumulate else 0) |
+                     (_lib.OVERWRITE if overwrite else 0))
+        job.deadline_us = int(deadline_us)
+        job.out_features = int(out_features)
+        keep = []
+        for role, obj in tensors.items():
+            if obj is None:
+                continue
+            if not isinstance(obj, (_lib.NcTensor, HostRegion, tuple)):
+                self._check_tensor(role, obj, job, dtype, weight_dtype, wgrad)
+            setattr(job, role, self.tensor(obj))
+            keep.append(obj)
+        return job, keep
+
+    @staticmethod
+    def _job_dtype(dtype, tensors):
+        if dtype is not None:
+            return to_dtype(dtype)
+        for role in ("x", "dy", "y", "dx"):
+            found = dtype_of(tensors.get(role))
+            if found is not None:
+                return found
+        return None  # all tensors raw: the daemon refuses dtype 0
+
+    @staticmethod
+    def _job_weight_dtype(weight_dtype, dtype, tensors, wgrad):
+        if weight_dtype is not None:
+            return to_dtype(weight_dtype)
+        roles = ("main_grad",) if wgrad else ("gamma", "beta", "dgamma", "dbeta")
+        for role in roles:
+            found = dtype_of(tensors.get(role))
+            if found is not None:
+                # 0 means "the same as dtype" (WGRAD_ACCUM: float32).
+                return 0 if found == dtype and not wgrad else found
+        return 0
+
+    @staticmethod
+    def _check_tensor(role, obj, job, dtype, weight_dtype, wgrad):
+        """Refuses an array or tensor that cannot hold `role` of `job`."""
+        rows, cols, out = job.rows, job.cols, job.out_features
+        if wgrad:
+            elems = {"x": rows * cols, "dy": rows * out, "main_grad": out * cols}.get(role, 0)
+            want = (weight_dtype or _lib.DType.F32) if role == "main_grad" else dtype
+        elif role in ("mean", "rstd"):
+            elems, want = rows, _lib.DType.F32
+        elif role in ("gamma", "beta", "dgamma", "dbeta"):
+            elems, want = cols, weight_dtype or dtype
+        else:
+            elems, want = rows * cols, dtype
+        have = dtype_of(obj)
+        if want is not None and have is not None and have != want:
+            raise TypeError("tensor %s is %s but the job needs %s there"
+                            % (role, have.name, _lib.DType(want).name))
+        _, nbytes, contiguous = _extent(obj)
+        if not contiguous:
+            raise ValueError("tensor %s must be contiguous (row-major)" % role)
+        if want is not None and nbytes < elems * ITEMSIZE[_lib.DType(want)]:
+            raise ValueError("tensor %s holds %d bytes; the job needs %d elements (%d bytes)"
+                             % (role, nbytes, elems, elems * ITEMSIZE[_lib.DType(want)]))
+
+    def _finish(self, rc, result, keep):
+        if rc == _lib.STATUS_CODES["TIMEOUT"]:
+            # The daemon may still read and write these: never let them be
+            # freed and reused under it.
+            with self._conn.lock:
+                self._conn.abandoned.append(keep)
+            raise NormdError(rc, _lib.text(result.message) +
+                             " (the job may still complete; its tensors are kept alive)")
+        if rc:
+            raise NormdError(rc, _lib.text(result.message))
+        return JobResult(result)
+
+    def run(self, op, rows, cols, *, stream=None, timeout_ms=None, **job_args):
+        """Runs one job and waits for it; returns a JobResult or raises NormdError.
+
+        The arguments are make_job()'s. stream: a cudaStream_t as an int
+        (``torch.cuda.current_stream().cuda_stream``): the job starts after
+        the work queued on it and is complete when run() returns, so work
+        queued afterwards sees its outputs (nc_job_run_on_stream).
+        """
+        job, keep = self.make_job(op, rows, cols, **job_args)
+        return self.run_job(job, stream=stream, timeout_ms=timeout_ms, keepalive=keep)
+
+    def run_job(self, job, *, stream=None, timeout_ms=None, keepalive=()):
+        """Runs a prepared NcJob (see make_job); `keepalive` is kept if it times out."""
+        result = _lib.NcJobResult()
+        timeout = self.timeout_ms if timeout_ms is None else int(timeout_ms)
+        handle = self._handle()
+        if stream is None:
+            rc = self._lib.nc_job_run(handle, ctypes.byref(job), timeout, ctypes.byref(result))
+        else:
+            rc = self._lib.nc_job_run_on_stream(handle, ctypes.byref(job),
+                                                ctypes.c_void_p(int(stream)), timeout,
+                                                ctypes.byref(result))
+        return self._finish(rc, result, keepalive)
+
+    def submit(self, op, rows, cols, **job_args):
+        """Sends a job without waiting; returns a PendingJob to wait() on.
+
+        Host memory only: for device memory use run(..., stream=...), which
+        orders the job with the stream's work.
+        """
+        job, keep = self.make_job(op, rows, cols, **job_args)
+        request_id = ctypes.c_uint64()
+        check(self._lib.nc_job_submit(self._handle(), ctypes.byref(job),
+                                      ctypes.byref(request_id)))
+        return PendingJob(self, request_id.value, keep)
+
+
+def latency_quantile_us(buckets, quantile):
+    """nc_latency_quantile_us over a stats latency histogram (a list of 32 counts)."""
+    array = (ctypes.c_uint64 * _lib.LATENCY_BUCKETS)(*buckets)
+    return _lib.load().nc_latency_quantile_us(array, float(quantile))
+
+
+# ---- the default client ----------------------------------------------------------
+
+_default_lock = threading.Lock()
+_default = None
+
+
+def default_client():
+    """The process's shared Client, connected on first use.
+
+    It connects to $NORMD_SOCKET (default /run/normd/normd.sock). A forked
+    child gets a fresh connection of its own. normd.normalization uses it.
+    """
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed or _default._conn.pid != os.getpid():
+            _default = Client(name="python-default:%d" % os.getpid())
+        return _default
+
+
+def set_default_client(client):
+    """Makes `client` the default (None: connect anew on next use); returns the old one."""
+    global _default
+    with _default_lock:
+        old, _default = _default, client
+        return old
