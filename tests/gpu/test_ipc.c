@@ -196,27 +196,38 @@ static int wait_idle(void)
 	return -1;
 }
 
+/*
+ * Submits 8 large backward jobs at once; with arg == NULL dies mid-job, else
+ * waits for them (to warm every worker's scratch before measuring memory).
+ */
 static int doomed_client(void *arg)
 {
-	(void)arg;
-	nc_conn *conn = connect_daemon("doomed");
+	nc_conn *conn = connect_daemon(arg ? "warm" : "doomed");
 	struct jobkit kit;
 	struct jobkit_spec spec = {.op = NC_LAYERNORM_BWD, .rows = 16384, .cols = 4096,
 				   .dtype = NC_BF16, .gamma = true, .beta = true, .seed = 3,
 				   .on_device = true};
 	if (!conn || jobkit_create(conn, &spec, &kit))
 		return 2;
-	uint64_t id;
+	uint64_t ids[8];
 	for (int i = 0; i < 8; i++)
-		nc_job_submit(conn, &kit.job, &id);
-	kill(getpid(), SIGKILL); /* mid-job, no goodbye */
-	return 3;
+		nc_job_submit(conn, &kit.job, &ids[i]);
+	if (!arg)
+		kill(getpid(), SIGKILL); /* mid-job, no goodbye */
+	int bad = 0;
+	for (int i = 0; i < 8; i++)
+		bad += nc_job_wait(conn, ids[i], 60000, NULL) != NC_OK;
+	jobkit_destroy(&kit);
+	nc_close(conn);
+	return bad ? 4 : 0;
 }
 
 /* A client killed mid-job: the others go on, its memory comes back. */
 static int killed_client_releases(void *arg)
 {
 	(void)arg;
+	int warm = 1;
+	CHECK(in_child(doomed_client, &warm) == 0, "warm-up with the same jobs failed");
 	CHECK(wait_idle() == 0, "daemon not idle before");
 	long long before = device_free_bytes();
 	int rc = in_child(doomed_client, NULL);

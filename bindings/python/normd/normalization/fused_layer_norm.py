@@ -1,0 +1,569 @@
+"""apex.normalization's modules and functions, computed by the normd daemon.
+
+The public names, argument order and defaults follow
+``apex.normalization.fused_layer_norm``; the autograd Functions save what
+apex saves (the input, or with ``memory_efficient`` the output; the mean
+(LayerNorm) and the inverse standard deviation ``invvar``, fp32, one per
+row), so a model's memory use does not change when it swaps apex for normd.
+
+Where the daemon computes: CUDA tensors of float32, float16 or bfloat16,
+through the default client (``normd.default_client()``, or the module's
+``client=``), on the current CUDA stream. The tensors are registered with
+the daemon on first use (CUDA IPC, one registration per cudaMalloc
+allocation of PyTorch's caching allocator, so this does not work with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: NormdError
+UNSUPPORTED says so).
+
+Where torch computes instead (documented fallback, as apex's modules do for
+non-CUDA input): CPU tensors, float64, empty inputs, and TorchScript /
+tracing / torch.compile. The fallback computes in float32 (float64 for
+float64 input) and returns the dtype the daemon path would. Setting
+``NORMD_TORCH_CPU=daemon`` sends CPU tensors to the daemon instead (through
+shared-memory copies; for testing the binding against a CPU-backend
+daemon).
+
+Dtypes: ``FusedLayerNorm``/``FusedRMSNorm`` and the ``fused_*`` functions
+return the input's dtype; their weights are the input's dtype or float32
+(float32 weights with half input use the daemon's mixed kernels). The
+``Mixed*``/``mixed_dtype_*`` forms return the weights' dtype, as apex's do:
+with float32 weights and half input the output is float32 (computed from
+the input converted to float32) and the input's gradient is returned in
+the input's dtype.
+
+Under CUDA autocast, the functions cast their tensor arguments to the
+autocast dtype and run with autocast off, as apex's do.
+"""
+
+import math
+import numbers
+import os
+import warnings
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn import functional as F
+from torch.nn import init
+
+from .._lib import DType, Op
+from ..client import default_client
+
+__all__ = [
+    "FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm",
+    "fused_layer_norm_affine", "fused_layer_norm", "fused_rms_norm_affine", "fused_rms_norm",
+    "mixed_dtype_fused_layer_norm_affine", "mixed_dtype_fused_rms_norm_affine",
+    "FusedLayerNormAffineFunction", "FusedLayerNormFunction", "FusedRMSNormAffineFunction",
+    "FusedRMSNormFunction", "FusedLayerNormAffineMixedDtypesFunction",
+    "FusedRMSNormAffineMixedDtypesFunction",
+]
+
+_DTYPES = {torch.float32: DType.F32, torch.float16: DType.F16, torch.bfloat16: DType.BF16}
+
+#: Roles the daemon writes, by op (copied back in the staged CPU mode).
+_OUTPUTS = {Op.LAYERNORM_FWD: ("y", "mean", "rstd"), Op.RMSNORM_FWD: ("y", "rstd"),
+            Op.LAYERNORM_BWD: ("dx", "dgamma", "dbeta"), Op.RMSNORM_BWD: ("dx", "dgamma")}
+
+_STAGE_ALIGN = 64
+
+# ---- when the daemon computes ---------------------------------------------------
+
+
+def _compiling():
+    if torch.jit.is_scripting() or torch.jit.is_tracing():
+        return True
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler and getattr(compiler, "is_compiling", None) and compiler.is_compiling())
+
+
+def _staged_cpu():
+    return os.environ.get("NORMD_TORCH_CPU", "torch").strip().lower() == "daemon"
+
+
+def _use_daemon(input):
+    """Whether `input` goes to the daemon (else torch computes; see the module doc)."""
+    if _compiling() or input.dtype not in _DTYPES or input.numel() == 0:
+        return False
+    return input.is_cuda or (input.device.type == "cpu" and _staged_cpu())
+
+
+def _normalized_shape(normalized_shape):
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return tuple(int(d) for d in normalized_shape)
+
+
+def _rows_cols(input, shape):
+    """(rows, cols) of input's [rows, cols] view over the normalized dimensions."""
+    n = len(shape)
+    if n == 0 or input.dim() < n or tuple(input.shape[input.dim() - n:]) != shape:
+        raise RuntimeError(
+            "Given normalized_shape=%s, expected input with shape [*, %s], but got input of "
+            "size %s" % (list(shape), ", ".join(str(d) for d in shape), list(input.shape)))
+    cols = math.prod(shape)
+    return input.numel() // cols, cols
+
+
+def _check_param(name, param, input, shape):
+    if param is None:
+        return
+    if tuple(param.shape) != shape:
+        raise RuntimeError("Expected %s to be of shape %s, but got %s of shape %s"
+                           % (name, list(shape), name, list(param.shape)))
+    if param.device != input.device:
+        raise RuntimeError("%s is on %s but the input is on %s" % (name, param.device,
+                                                                   input.device))
+
+
+def _plan(input, weight, bias, mixed):
+    """(upcast, weight_dtype) for the job, or TypeError for unsupported dtypes.
+
+    upcast: the mixed forms with float32 weights and half input compute on
+    input.float() so that the output is float32, as apex's are.
+    """
+    if bias is not None and (weight is None or bias.dtype != weight.dtype):
+        raise TypeError("bias must have the weight's dtype (weight %s, bias %s)"
+                        % (None if weight is None else weight.dtype, bias.dtype))
+    if weight is None or weight.dtype == input.dtype:
+        return False, None
+    if weight.dtype == torch.float32:
+        return mixed, None if mixed else DType.F32
+    raise TypeError("normd: weights must have the input's dtype or be float32 (input %s, "
+                    "weight %s)" % (input.dtype, weight.dtype))
+
+
+# ---- running one job on torch tensors -------------------------------------------
+
+
+def _run(client, op, rows, cols, eps, memory_efficient, weight_dtype, tensors):
+    """Runs one job whose tensors are torch tensors (CUDA, or CPU when staged)."""
+    tensors = {role: t for role, t in tensors.items() if t is not None}
+    first = tensors["x"]
+    args = dict(eps=eps, memory_efficient=memory_efficient, weight_dtype=weight_dtype,
+                dtype=_DTYPES[first.dtype])
+    if first.is_cuda:
+        stream = torch.cuda.current_stream(first.device).cuda_stream
+        client.run(op, rows, cols, stream=stream, **args, **tensors)
+    else:
+        _run_staged(client, op, rows, cols, args, tensors)
+
+
+def _run_staged(client, op, rows, cols, args, tensors):
+    """CPU tensors through one shared-memory region: copy in, run, copy out."""
+    offsets, total = {}, 0
+    for role, t in tensors.items():
+        total = -(-total // _STAGE_ALIGN) * _STAGE_ALIGN
+        offsets[role] = total
+        total += t.numel() * t.element_size()
+    region = client.host_region(total)
+    try:
+        staged = {}
+        for role, t in tensors.items():
+            raw = torch.frombuffer(region.buffer, dtype=torch.uint8,
+                                   count=t.numel() * t.element_size(), offset=offsets[role])
+            staged[role] = raw.view(t.dtype).view(t.shape)
+            staged[role].copy_(t)
+        client.run(op, rows, cols, **args,
+                   **{role: (region, offsets[role]) for role in tensors})
+        for role in _OUTPUTS[op]:
+            if role in tensors:
+                tensors[role].copy_(staged[role])
+        del staged, raw
+    finally:
+        region.free()
+
+
+def _forward(client, rms, input, weight, bias, shape, eps, mixed):
+    """Runs the forward job; returns (output, input as computed on, mean, invvar, upcast)."""
+    rows, cols = _rows_cols(input, shape)
+    _check_param("weight", weight, input, shape)
+    _check_param("bias", bias, input, shape)
+    upcast, weight_dtype = _plan(input, weight, bias, mixed)
+    x = input.contiguous()
+    if upcast:
+        x = x.float()
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    stats = dict(dtype=torch.float32, device=x.device)
+    mean = None if rms else torch.empty(rows, **stats)
+    invvar = torch.empty(rows, **stats)
+    op = Op.RMSNORM_FWD if rms else Op.LAYERNORM_FWD
+    _run(client, op, rows, cols, eps, False, weight_dtype,
+         dict(x=x, y=y, mean=mean, rstd=invvar, gamma=weight, beta=bias))
+    return y, mean, invvar, upcast, weight_dtype
+
+
+def _backward(ctx, rms, grad_output, saved, weight, bias, mean, invvar):
+    """Runs the backward job; returns (grad_input, grad_weight, grad_bias)."""
+    rows, cols = _rows_cols(saved, ctx.normalized_shape)
+    x = saved.float() if ctx.upcast else saved
+    dy = grad_output.contiguous()
+    if dy.dtype != x.dtype:
+        dy = dy.to(x.dtype)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dgamma = torch.empty_like(weight) if weight is not None and ctx.needs_weight_grad else None
+    dbeta = torch.empty_like(bias) if bias is not None and ctx.needs_bias_grad else None
+    op = Op.RMSNORM_BWD if rms else Op.LAYERNORM_BWD
+    _run(ctx.client, op, rows, cols, ctx.eps, ctx.memory_efficient, ctx.weight_dtype,
+         dict(x=x, dy=dy, mean=mean, rstd=invvar, gamma=weight, beta=bias, dx=dx,
+              dgamma=dgamma, dbeta=dbeta))
+    if dx.dtype != ctx.input_dtype:
+        dx = dx.to(ctx.input_dtype)
+    return dx, dgamma, dbeta
+
+
+def _setup(ctx, client, shape, eps, memory_efficient, input, upcast, weight_dtype,
+           needs_weight_grad, needs_bias_grad):
+    ctx.client = client
+    ctx.normalized_shape = shape
+    ctx.eps = eps
+    ctx.memory_efficient = memory_efficient
+    ctx.upcast = upcast and not memory_efficient  # the saved output is float32 already
+    ctx.weight_dtype = weight_dtype
+    ctx.input_dtype = input.dtype
+    ctx.needs_weight_grad = needs_weight_grad
+    ctx.needs_bias_grad = needs_bias_grad
+
+
+# ---- autograd Functions (apex's names and argument order, plus client) ------------
+
+
+def _affine_forward(ctx, rms, mixed, input, weight, bias, normalized_shape, eps,
+                    memory_efficient, client):
+    """The forward of the affine Functions; saves what apex saves."""
+    client = client or default_client()
+    shape = _normalized_shape(normalized_shape)
+    y, mean, invvar, upcast, wdt = _forward(client, rms, input, weight, bias, shape, eps, mixed)
+    _setup(ctx, client, shape, eps, memory_efficient, input, upcast, wdt,
+           ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+    saved = y if memory_efficient else input.contiguous()
+    if rms:
+        ctx.save_for_backward(saved, weight.contiguous(), invvar)
+    else:
+        ctx.save_for_backward(saved, weight.contiguous(), _contig(bias),
+                              None if memory_efficient else mean, invvar)
+    return y
+
+
+def _plain_forward(ctx, rms, input, normalized_shape, eps, memory_efficient, client):
+    """The forward of the Functions without parameters; saves what apex saves."""
+    client = client or default_client()
+    shape = _normalized_shape(normalized_shape)
+    y, mean, invvar, upcast, wdt = _forward(client, rms, input, None, None, shape, eps, False)
+    _setup(ctx, client, shape, eps, memory_efficient, input, upcast, wdt, False, False)
+    saved = y if memory_efficient else input.contiguous()
+    if rms:
+        ctx.save_for_backward(saved, invvar)
+    else:
+        ctx.save_for_backward(saved, None if memory_efficient else mean, invvar)
+    return y
+
+
+class FusedLayerNormAffineFunction(torch.autograd.Function):
+    """LayerNorm with weight and bias.
+
+    apply(input, weight, bias, normalized_shape, eps, memory_efficient=False,
+    client=None); saves (input or output, weight, bias, mean or None, invvar).
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False,
+                client=None):
+        return _affine_forward(ctx, False, False, input, weight, bias, normalized_shape, eps,
+                               memory_efficient, client)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        saved, weight, bias, mean, invvar = ctx.saved_tensors
+        dx, dw, db = _backward(ctx, False, grad_output, saved, weight, bias, mean, invvar)
+        return dx, dw, db, None, None, None, None
+
+
+class FusedLayerNormAffineMixedDtypesFunction(FusedLayerNormAffineFunction):
+    """FusedLayerNormAffineFunction whose output has the weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False,
+                client=None):
+        return _affine_forward(ctx, False, True, input, weight, bias, normalized_shape, eps,
+                               memory_efficient, client)
+
+
+class FusedLayerNormFunction(torch.autograd.Function):
+    """LayerNorm without parameters.
+
+    apply(input, normalized_shape, eps, memory_efficient=False, client=None);
+    saves (input or output, mean or None, invvar).
+    """
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False, client=None):
+        return _plain_forward(ctx, False, input, normalized_shape, eps, memory_efficient, client)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        saved, mean, invvar = ctx.saved_tensors
+        dx, _, _ = _backward(ctx, False, grad_output, saved, None, None, mean, invvar)
+        return dx, None, None, None, None
+
+
+class FusedRMSNormAffineFunction(torch.autograd.Function):
+    """RMSNorm with weight.
+
+    apply(input, weight, normalized_shape, eps, memory_efficient=False,
+    client=None); saves (input or output, weight, invvar).
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False, client=None):
+        return _affine_forward(ctx, True, False, input, weight, None, normalized_shape, eps,
+                               memory_efficient, client)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        saved, weight, invvar = ctx.saved_tensors
+        dx, dw, _ = _backward(ctx, True, grad_output, saved, weight, None, None, invvar)
+        return dx, dw, None, None, None, None
+
+
+class FusedRMSNormAffineMixedDtypesFunction(FusedRMSNormAffineFunction):
+    """FusedRMSNormAffineFunction whose output has the weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False, client=None):
+        return _affine_forward(ctx, True, True, input, weight, None, normalized_shape, eps,
+                               memory_efficient, client)
+
+
+class FusedRMSNormFunction(torch.autograd.Function):
+    """RMSNorm without weight.
+
+    apply(input, normalized_shape, eps, memory_efficient=False, client=None);
+    saves (input or output, invvar).
+    """
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False, client=None):
+        return _plain_forward(ctx, True, input, normalized_shape, eps, memory_efficient, client)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        saved, invvar = ctx.saved_tensors
+        dx, _, _ = _backward(ctx, True, grad_output, saved, None, None, None, invvar)
+        return dx, None, None, None, None
+
+
+def _contig(t):
+    return t.contiguous() if t is not None else None
+
+
+# ---- torch fallback ------------------------------------------------------------------
+
+
+def _torch_norm(rms, input, shape, weight, bias, eps, mixed):
+    """The same result computed by torch (autograd-capable); see the module doc."""
+    _rows_cols(input, shape)
+    _check_param("weight", weight, input, shape)
+    _check_param("bias", bias, input, shape)
+    if input.dtype in _DTYPES:
+        _plan(input, weight, bias, mixed)  # the same dtype rules as the daemon path
+    compute = torch.float64 if input.dtype == torch.float64 else torch.float32
+    out_dtype = weight.dtype if mixed and weight is not None else input.dtype
+    x = input.to(compute)
+    w = weight.to(compute) if weight is not None else None
+    if rms:
+        dims = tuple(range(-len(shape), 0))
+        y = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+        if w is not None:
+            y = y * w
+    else:
+        y = F.layer_norm(x, shape, w, bias.to(compute) if bias is not None else None, eps)
+    return y.to(out_dtype)
+
+
+# ---- autocast, as apex's functions do -----------------------------------------------
+
+
+def _autocast_enabled():
+    try:
+        return torch.is_autocast_enabled("cuda")
+    except TypeError:  # torch before 2.4
+        return torch.is_autocast_enabled()
+
+
+def _autocast_dtype():
+    getter = getattr(torch, "get_autocast_dtype", None)
+    return getter("cuda") if getter else torch.get_autocast_gpu_dtype()
+
+
+def _autocast_cast(*tensors):
+    """Casts CUDA floating-point tensors (not float64) to the autocast dtype when it is on."""
+    if not _autocast_enabled():
+        return tensors
+    dtype = _autocast_dtype()
+    return tuple(t.to(dtype) if t is not None and t.is_cuda and t.is_floating_point() and
+                 t.dtype != torch.float64 else t for t in tensors)
+
+
+def _norm(rms, mixed, input, weight, bias, normalized_shape, eps, memory_efficient, client):
+    """Dispatches one call: the daemon through the right Function, or torch."""
+    shape = _normalized_shape(normalized_shape)
+    if not _use_daemon(input):
+        return _torch_norm(rms, input, shape, weight, bias, eps, mixed)
+    if input.is_cuda:
+        input, weight, bias = _autocast_cast(input, weight, bias)
+        with torch.autocast("cuda", enabled=False):
+            return _apply(rms, mixed, input, weight, bias, shape, eps, memory_efficient,
+                          client)
+    return _apply(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client)
+
+
+def _apply(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):
+    """Runs the autograd Function that fits the call."""
+    if weight is None:
+        fn = FusedRMSNormFunction if rms else FusedLayerNormFunction
+        return fn.apply(input, shape, eps, memory_efficient, client)
+    if rms:
+        fn = FusedRMSNormAffineMixedDtypesFunction if mixed else FusedRMSNormAffineFunction
+        return fn.apply(input, weight, shape, eps, memory_efficient, client)
+    fn = FusedLayerNormAffineMixedDtypesFunction if mixed else FusedLayerNormAffineFunction
+    return fn.apply(input, weight, bias, shape, eps, memory_efficient, client)
+
+
+# ---- functional forms (apex's signatures) ---------------------------------------------
+
+
+def fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
+                            memory_efficient=False):
+    """LayerNorm over the trailing normalized_shape dims, scaled by weight, shifted by bias."""
+    return _norm(False, False, input, weight, bias, normalized_shape, eps, memory_efficient,
+                 None)
+
+
+def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    """LayerNorm over the trailing normalized_shape dims, without affine parameters."""
+    return _norm(False, False, input, None, None, normalized_shape, eps, memory_efficient, None)
+
+
+def mixed_dtype_fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
+                                        memory_efficient=False):
+    """fused_layer_norm_affine whose output has the weight's dtype (e.g. float32)."""
+    return _norm(False, True, input, weight, bias, normalized_shape, eps, memory_efficient,
+                 None)
+
+
+def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
+    """RMSNorm over the trailing normalized_shape dims, scaled by weight."""
+    return _norm(True, False, input, weight, None, normalized_shape, eps, memory_efficient,
+                 None)
+
+
+def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    """RMSNorm over the trailing normalized_shape dims, without weight."""
+    return _norm(True, False, input, None, None, normalized_shape, eps, memory_efficient, None)
+
+
+def mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6,
+                                      memory_efficient=False):
+    """fused_rms_norm_affine whose output has the weight's dtype (e.g. float32)."""
+    return _norm(True, True, input, weight, None, normalized_shape, eps, memory_efficient, None)
+
+
+# ---- modules ------------------------------------------------------------------------------
+
+
+class FusedLayerNorm(nn.Module):
+    """Layer normalization over the trailing `normalized_shape` dimensions.
+
+    y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance;
+    weight starts at ones and bias at zeros when `elementwise_affine`.
+    `memory_efficient` keeps the output instead of the input for backward,
+    which recomputes the normalized input from it. `client`: the normd.Client
+    to use (default: normd.default_client()). CPU/float64 input is computed
+    by torch (see the module doc).
+    """
+
+    _rms = False
+    _mixed = False
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True,
+                 memory_efficient=False, *, client=None):
+        super().__init__()
+        self.normalized_shape = torch.Size(_normalized_shape(normalized_shape))
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        self.client = client
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(*self.normalized_shape))
+            if self._rms:
+                self.register_parameter("bias", None)
+            else:
+                self.bias = nn.Parameter(torch.empty(*self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """weight = 1, bias = 0."""
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    def forward(self, input):
+        return _norm(self._rms, self._mixed, input, self.weight, self.bias,
+                     self.normalized_shape, self.eps, self.memory_efficient, self.client)
+
+    def extra_repr(self):
+        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}, " \
+               "memory_efficient={memory_efficient}".format(**self.__dict__)
+
+
+class FusedRMSNorm(FusedLayerNorm):
+    """RMS normalization over the trailing `normalized_shape` dimensions.
+
+    y = x / sqrt(mean(x^2) + eps) * weight; weight starts at ones when
+    `elementwise_affine`. Arguments as FusedLayerNorm's.
+    """
+
+    _rms = True
+
+
+def _mixed_init(cls, module, normalized_shape, eps, memory_efficient, kwargs):
+    client = kwargs.pop("client", None)
+    if "elementwise_affine" in kwargs:
+        warnings.warn("%s does not take `elementwise_affine`" % cls.__name__)
+        if not kwargs.pop("elementwise_affine"):
+            raise RuntimeError("%s does not support elementwise_affine=False" % cls.__name__)
+    if kwargs:
+        raise TypeError("%s got unexpected arguments %s" % (cls.__name__, sorted(kwargs)))
+    super(cls, module).__init__(normalized_shape, eps, True, memory_efficient, client=client)
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """FusedLayerNorm whose output has the parameters' dtype.
+
+    Made for float32 parameters with bfloat16/float16 input: the output (and
+    the parameters' gradients) are float32, the input's gradient has the
+    input's dtype. Always affine.
+    """
+
+    _mixed = True
+
+    def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
+        _mixed_init(MixedFusedLayerNorm, self, normalized_shape, eps, memory_efficient, kwargs)
+
+
+class MixedFusedRMSNorm(FusedRMSNorm):
+    """FusedRMSNorm whose output has the parameter's dtype (see MixedFusedLayerNorm)."""
+
+    _mixed = True
+
+    def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
+        _mixed_init(MixedFusedRMSNorm, self, normalized_shape, eps, memory_efficient, kwargs)
