@@ -31,7 +31,7 @@ __device__ __forceinline__ void load_row(const Params &p, int64_t row, bool vali
 	for (int j = 0; j < NV; j++) {
 		out[j] = make_uint4(0, 0, 0, 0);
 		if (valid && vi[j] < p.nvec)
-			out[j] = __ldcs(base + vi[j]);
+			out[j] = load_stream(base + vi[j]);
 	}
 	(void)VEC;
 }

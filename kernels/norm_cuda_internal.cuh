@@ -172,6 +172,20 @@ template <typename S> __device__ __forceinline__ uint4 pack(const float *f)
 	return b.u;
 }
 
+/*
+ * 16 bytes of a tensor read exactly once: through the read-only path
+ * without allocating in L1, which stays free for the weights every row
+ * reloads.
+ */
+__device__ __forceinline__ uint4 load_stream(const uint4 *p)
+{
+	uint4 u;
+	asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+		     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+		     : "l"(p));
+	return u;
+}
+
 /* N elements of S at p (16-byte aligned) into floats, through L1. */
 template <int N, typename S> __device__ __forceinline__ void load_weights(const S *p, float *f)
 {
@@ -378,13 +392,14 @@ __device__ __forceinline__ void group_reduce(float *v, int G, int K, RedSmem &sm
 /* Launches kern(p) on a 1-D grid, as clusters of K blocks when K > 1. */
 template <typename Kern>
 static inline cudaError_t launch_kernel(Kern kern, int64_t grid, int threads, int K,
-					cudaStream_t stream, const Params &p)
+					cudaStream_t stream, const Params &p, size_t smem = 0)
 {
 	cudaLaunchConfig_t cfg = {};
 	cudaLaunchAttribute attr[1];
 
 	cfg.gridDim = dim3((unsigned)grid);
 	cfg.blockDim = dim3((unsigned)threads);
+	cfg.dynamicSmemBytes = smem;
 	cfg.stream = stream;
 	if (K > 1) {
 		attr[0].id = cudaLaunchAttributeClusterDimension;

@@ -193,7 +193,7 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 		nv = pow2_ceil((nvec + G - 1) / G);
 		R = warp_threads / G;
 	} else {
-		const int kmax = split ? MAX_SLICES : MAX_CLUSTER;
+		const int kmax = split && is_bwd(a) ? MAX_SLICES : MAX_CLUSTER;
 		while (K <= kmax && nvec > (int64_t)block_max * nv * K)
 			K *= 2;
 		if (K > kmax || (K > 1 && !split && dev->cc_major < 9))

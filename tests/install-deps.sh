@@ -5,9 +5,11 @@ set -e
 need=""
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 # systemd (systemd-analyze, -socket-activate, -sysusers, -tmpfiles), groff-base
-# and python3-prometheus-client serve the offline service tests (tests/service).
+# and python3-prometheus-client serve the offline service tests (tests/service);
+# python3-numpy and python3-pytest the Python binding's tests (tests/python).
 for pkg in build-essential pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler \
-	libcmocka-dev clang valgrind systemd groff-base python3-prometheus-client; do
+	libcmocka-dev clang valgrind systemd groff-base python3-prometheus-client \
+	python3-numpy python3-pytest; do
 	have_pkg "$pkg" || need="$need $pkg"
 done
 if [ -n "$need" ]; then

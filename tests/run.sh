@@ -35,6 +35,8 @@ for t in "$B"/tests/integration/test_*; do
 done
 run_one "demo" 120 sh tests/run-demo.sh "$B"
 run_one "stress/normstress" 120 sh tests/stress/normstress.sh "$B"
+# The Python binding (bindings/python) with numpy against a CPU daemon.
+run_one "python/pytest" 300 sh tests/python/run.sh "$B"
 # The service: systemd units offline, socket activation, install, metrics.
 for t in tests/service/test_*.sh; do
 	run_one "service/$(basename "$t" .sh)" 120 sh "$t" "$B"

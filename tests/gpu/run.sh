@@ -22,6 +22,19 @@ for t in "$build"/tests/gpu/test_*; do
 		status=1
 	fi
 done
+# The Python binding against PyTorch, where python3 has torch.
+if python3 -c "import torch" >/dev/null 2>&1; then
+	found=1
+	echo "== test_python.py"
+	if timeout "$timeout_s" python3 tests/gpu/test_python.py "$build"; then
+		echo "== test_python.py: ok"
+	else
+		echo "== test_python.py: FAILED (exit $?)"
+		status=1
+	fi
+else
+	echo "== test_python.py: skipped (python3 cannot import torch)"
+fi
 if [ "$found" = 0 ]; then
 	echo "no GPU test programs in $build/tests/gpu" >&2
 	exit 1

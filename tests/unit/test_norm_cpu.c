@@ -925,8 +925,9 @@ static void gradient_check(bool ln, int64_t rows, int64_t cols)
 	assert_int_equal(naive_backward(&in, dx, NULL, NULL), 0);
 	check_slopes("memory-efficient dx", dx, num, n);
 
-	free(x), free(w), free(y), free(mean), free(rstd), free(dx);
-	free(g), free(b), free(dg), free(db), free(num);
+	double *all[] = {x, w, y, mean, rstd, dx, g, b, dg, db, num};
+	for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+		free(all[i]);
 }
 
 static void test_oracle_is_gradient(void **state)
@@ -969,7 +970,7 @@ static bool backward_case(int k, unsigned flags, int64_t rows, int64_t cols, str
  */
 static void test_memory_efficient_matches_standard(void **state)
 {
-	static const double tol[] = {1e-5, 4e-3, 3e-2}; /* by dtype: y's rounding */
+	static const double tol[] = {1e-5, 2e-3, 2e-2}; /* by dtype: y's rounding */
 	static const struct shape shapes[] = {{64, 1000}, {3, 4096}, {7, 33}, {5, 7}};
 	uint64_t seed = 5000;
 
@@ -1785,7 +1786,8 @@ static int out_of_memory_child(void)
 	rc = 77;
 	if (setrlimit(RLIMIT_AS, &rl) != 0)
 		goto out;
-	void *probe = malloc(96u << 20);
+	/* volatile: a compiler may drop an allocation that is only freed. */
+	void *volatile probe = malloc(96u << 20);
 	if (probe) {
 		free(probe);
 		goto out;

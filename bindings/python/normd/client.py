@@ -60,6 +60,23 @@ class _Conn:
         self.regions = {}    # region id -> HostRegion, registered and not yet freed
         self.abandoned = []  # tensors of jobs that timed out (the daemon may still use them)
 
+    def checked_handle(self):
+        """The library's handle; NormdError if closed or used by a forked child."""
+        if self.handle is None:
+            raise NormdError(_lib.STATUS_CODES["INVALID_ARGUMENT"], "the client is closed")
+        if os.getpid() != self.pid:
+            raise NormdError(_lib.STATUS_CODES["INVALID_ARGUMENT"],
+                             "this client was opened by process %d; a forked child must "
+                             "open its own normd.Client" % self.pid)
+        return self.handle
+
+    def free_region(self, region):
+        """Unregisters a HostRegion of this connection (no-op if already freed)."""
+        with self.lock:
+            live = self.regions.pop(region.id, None) is region
+        if live and os.getpid() == self.pid:
+            check(region._release())
+
     def close(self):
         with self.lock:
             handle, self.handle = self.handle, None
@@ -181,14 +198,7 @@ class Client:
     # ---- the connection ---------------------------------------------------------
 
     def _handle(self):
-        conn = self._conn
-        if conn.handle is None:
-            raise NormdError(_lib.STATUS_CODES["INVALID_ARGUMENT"], "the client is closed")
-        if os.getpid() != conn.pid:
-            raise NormdError(_lib.STATUS_CODES["INVALID_ARGUMENT"],
-                             "this client was opened by process %d; a forked child must "
-                             "open its own normd.Client" % conn.pid)
-        return conn.handle
+        return self._conn.checked_handle()
 
     @property
     def closed(self):
@@ -254,8 +264,7 @@ class Client:
 
     def host_region(self, size):
         """size bytes of zeroed shared host memory registered with the daemon."""
-        self._handle()
-        region = HostRegion(self, size)
+        region = HostRegion(self._conn, size)
         with self._conn.lock:
             self._conn.regions[region.id] = region
         return region
@@ -306,16 +315,7 @@ class Client:
         region = obj if isinstance(obj, HostRegion) else self.region_of(obj)
         if region is None:
             raise host_error("%s is not in a host region of this client" % type(obj).__name__)
-        self._free_region(region)
-
-    def _free_region(self, region):
-        with self._conn.lock:
-            live = self._conn.regions.pop(region.id, None) is region
-        if not live:
-            return
-        if os.getpid() != self._conn.pid:
-            return
-        check(region._release())
+        self._conn.free_region(region)
 
     def device_tensor(self, ptr):
         """The job tensor for CUDA device pointer `ptr` (an int).

@@ -53,10 +53,12 @@ class HostRegion:
     (or leaving a ``with`` block) unregisters it.
     """
 
-    def __init__(self, client, size):
+    def __init__(self, conn, size):
         if size <= 0:
             raise ValueError("a host region needs a positive size (got %r)" % (size,))
-        self.client = client
+        # The connection's state (normd.client._Conn), not the Client: a
+        # region must not keep its Client from being garbage collected.
+        self._conn = conn
         self.size = int(size)
         fd = os.memfd_create("normd-python", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -66,12 +68,12 @@ class HostRegion:
             self._mmap = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE)
             handle = ctypes.c_void_p()
-            check(client._lib.nc_region_register_fd(client._handle(), fd, self.size,
-                                                    ctypes.byref(handle)))
+            check(conn.lib.nc_region_register_fd(conn.checked_handle(), fd, self.size,
+                                                 ctypes.byref(handle)))
         finally:
             os.close(fd)
         self._region = handle.value
-        self.id = int(client._lib.nc_region_id(self._region))
+        self.id = int(conn.lib.nc_region_id(self._region))
         # A ctypes view pins the mapping (mmap refuses to close while it is
         # exported) and gives its address.
         self._view = (ctypes.c_char * self.size).from_buffer(self._mmap)
@@ -129,14 +131,14 @@ class HostRegion:
         mapping until they end); later jobs naming it are refused with
         ``NOT_FOUND``. Arrays made from it stay readable here.
         """
-        self.client._free_region(self)
+        self._conn.free_region(self)
 
     def _release(self):
         """Frees the library's handle; returns its status. Called by the client."""
         region, self._region = self._region, None
         if region is None:
             return 0
-        return self.client._lib.nc_region_free(region)
+        return self._conn.lib.nc_region_free(region)
 
     def __enter__(self):
         return self
