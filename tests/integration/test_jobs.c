@@ -51,25 +51,6 @@ static nc_conn *connect_or_fail(void)
 	return conn;
 }
 
-/* Runs one spec and checks it; returns 0 when correct. */
-static int run_spec(nc_conn *conn, const struct jobkit_spec *spec)
-{
-	struct jobkit kit;
-	struct nc_job_result result;
-	struct jobkit_report report = {0};
-	if (jobkit_create(conn, spec, &kit))
-		return -1;
-	int rc = nc_job_run(conn, &kit.job, 30000, &result);
-	bool ok = rc == NC_OK && jobkit_check(&kit, &report);
-	if (!ok)
-		fprintf(stderr, "%s %llux%llu dtype %d: status %s (%s) check: %s\n",
-			jobkit_op_name(spec->op), (unsigned long long)spec->rows,
-			(unsigned long long)spec->cols, spec->dtype, nc_status_name(rc),
-			result.message, report.detail);
-	jobkit_destroy(&kit);
-	return ok ? 0 : -1;
-}
-
 /* Every op x dtype x affine x memory_efficient, on awkward shapes. */
 static void test_every_op_matches_reference(void **state)
 {
@@ -92,7 +73,7 @@ static void test_every_op_matches_reference(void **state)
 						.memory_efficient = variant == 3,
 						.accumulate = variant == 2, .seed = (uint64_t)seed++,
 					};
-					failures += run_spec(conn, &spec) != 0;
+					failures += test_run_checked(conn, &spec, 60000) != 0;
 				}
 	nc_close(conn);
 	assert_int_equal(failures, 0);
@@ -119,7 +100,7 @@ static void test_many_processes(void **state)
 					.gamma = true, .beta = true, .memory_efficient = i % 2,
 					.seed = (uint64_t)(p * 100 + i),
 				};
-				bad += run_spec(conn, &spec) != 0;
+				bad += test_run_checked(conn, &spec, 60000) != 0;
 			}
 			nc_close(conn);
 			_exit(bad ? 1 : 0);
@@ -209,7 +190,7 @@ static void *thread_main(void *p)
 					   .cols = 96 + (uint64_t)arg->index, .dtype = NC_F32,
 					   .gamma = true, .beta = true,
 					   .seed = (uint64_t)(arg->index * 1000 + i)};
-		arg->failures += run_spec(arg->conn, &spec) != 0;
+		arg->failures += test_run_checked(arg->conn, &spec, 60000) != 0;
 	}
 	return NULL;
 }

@@ -31,24 +31,6 @@ static int stop_daemon(void **state)
 	return test_daemon_stop(&daemon_) == 0 ? 0 : -1;
 }
 
-static int run_spec(nc_conn *conn, const struct jobkit_spec *spec)
-{
-	struct jobkit kit;
-	struct nc_job_result result;
-	struct jobkit_report report = {0};
-	if (jobkit_create(conn, spec, &kit))
-		return -1;
-	int rc = nc_job_run(conn, &kit.job, 60000, &result);
-	bool ok = rc == NC_OK && jobkit_check(&kit, &report);
-	if (!ok)
-		fprintf(stderr, "wgrad %llux%llux%llu dtype %d/%d acc %d: %s (%s) %s\n",
-			(unsigned long long)spec->rows, (unsigned long long)spec->cols,
-			(unsigned long long)spec->out_features, spec->dtype, spec->weight_dtype,
-			spec->accumulate, nc_status_name(rc), result.message, report.detail);
-	jobkit_destroy(&kit);
-	return ok ? 0 : -1;
-}
-
 static void test_shapes_against_reference(void **state)
 {
 	(void)state;
@@ -71,7 +53,7 @@ static void test_shapes_against_reference(void **state)
 					.dtype = types[t][0], .weight_dtype = types[t][1],
 					.accumulate = acc, .seed = (uint64_t)seed++,
 				};
-				bad += run_spec(conn, &spec) != 0;
+				bad += test_run_checked(conn, &spec, 60000) != 0;
 			}
 	nc_close(conn);
 	assert_int_equal(bad, 0);

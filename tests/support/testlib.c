@@ -244,19 +244,25 @@ bool raw_closed(int fd, int timeout_ms)
 	}
 }
 
-static bool run_checked(nc_conn *conn, const struct jobkit_spec *spec)
+int test_run_checked(nc_conn *conn, const struct jobkit_spec *spec, int timeout_ms)
 {
 	struct jobkit kit;
-	struct nc_job_result result;
-	struct jobkit_report report;
-	if (jobkit_create(conn, spec, &kit))
-		return false;
-	bool ok = nc_job_run(conn, &kit.job, 30000, &result) == NC_OK &&
-		  jobkit_check(&kit, &report);
+	struct nc_job_result result = {0};
+	struct jobkit_report report = {0};
+	if (jobkit_create(conn, spec, &kit)) {
+		fprintf(stderr, "%s: set-up failed: %s\n", jobkit_op_name(spec->op), nc_last_error());
+		return -1;
+	}
+	int rc = nc_job_run(conn, &kit.job, timeout_ms, &result);
+	bool ok = rc == NC_OK && jobkit_check(&kit, &report);
 	if (!ok)
-		fprintf(stderr, "good client: job failed: %s %s\n", result.message, report.detail);
+		fprintf(stderr, "%s %llux%llu (out %llu) dtype %d/%d me %d acc %d: %s (%s) %s\n",
+			jobkit_op_name(spec->op), (unsigned long long)spec->rows,
+			(unsigned long long)spec->cols, (unsigned long long)spec->out_features,
+			spec->dtype, spec->weight_dtype, spec->memory_efficient, spec->accumulate,
+			nc_status_name(rc), result.message, report.detail);
 	jobkit_destroy(&kit);
-	return ok;
+	return ok ? 0 : -1;
 }
 
 bool good_client_works(const char *socket_path)
@@ -270,7 +276,7 @@ bool good_client_works(const char *socket_path)
 				  .dtype = NC_F32, .gamma = true, .beta = true, .seed = 7};
 	struct jobkit_spec fwd = {.op = NC_RMSNORM_FWD, .rows = 17, .cols = 1000,
 				  .dtype = NC_BF16, .gamma = true, .seed = 8};
-	bool ok = run_checked(conn, &bwd) && run_checked(conn, &fwd);
+	bool ok = test_run_checked(conn, &bwd, 30000) == 0 && test_run_checked(conn, &fwd, 30000) == 0;
 	nc_close(conn);
 	return ok;
 }

@@ -50,6 +50,14 @@ Normd__Envelope *raw_recv(int fd, int timeout_ms);
 /* True if the peer closed the connection within timeout_ms (EOF seen). */
 bool raw_closed(int fd, int timeout_ms);
 
+struct jobkit_spec;
+struct nc_conn;
+/*
+ * Creates the spec's job (jobkit), runs it, checks it against the reference
+ * and prints what went wrong to stderr. Returns 0 when the result is right.
+ */
+int test_run_checked(struct nc_conn *conn, const struct jobkit_spec *spec, int timeout_ms);
+
 /*
  * Runs one well-behaved client: connects, runs a LayerNorm backward and an
  * RMSNorm forward through the library and checks them against the reference.
