@@ -8,8 +8,7 @@
  * computed once per job by launch_reciprocal_gamma) and dy,
  * both read from device memory once into registers (the next row's loads are
  * issued before this row's reduction). Each thread also sums dy * xh and dy
- * over the rows it sees in fp32, in its own shared-memory slots (Sums);
- * at the end every row group
+ * over the rows it sees into fp32 registers; at the end every row group
  * writes them as one partial row to the workspace, and launch_finish()
  * (norm_cuda_generic.cu) sums the partial rows in a fixed order. The grid has
  * min(row groups, units_cap) groups, a rule of the shape and the variant
@@ -108,26 +107,10 @@ __device__ __forceinline__ void vector_terms(const Params &p, uint4 xr, uint4 dy
 		g[i] = dy[i] * gm[i];
 }
 
-/*
- * The dgamma/dbeta sums of a thread live in dynamic shared memory, in
- * float4 slots [array][k][thread] (k < E / 4): each thread touches only its
- * own slots (no barrier needed) and a warp's accesses are contiguous (no
- * bank conflicts). Registers stay free for the row's x_hat and g, which
- * then need not be recomputed after the row reduction.
- */
-template <int E> struct Sums {
-	float4 *base;
-	int stride; /* threads in the block */
-	__device__ __forceinline__ float4 &at(int array, int k) const
-	{
-		return base[(array * (E / 4) + k) * stride + threadIdx.x];
-	}
-};
-
 /* Writes a thread's dgamma/dbeta sums as partial row `prow`. */
 template <int NV, int VEC>
 __device__ __forceinline__ void write_partials(const Params &p, int64_t prow, const int *vi,
-					       const Sums<NV * VEC> &acc)
+					       const float *ag, const float *ab)
 {
 	float *pg = p.part + prow * p.cols;
 	float *pb = p.part + (p.part_rows + prow) * p.cols;
@@ -137,35 +120,15 @@ __device__ __forceinline__ void write_partials(const Params &p, int64_t prow, co
 			continue;
 #pragma unroll
 		for (int c = 0; c < VEC / 4; c++) {
+			const float *a = ag + j * VEC + 4 * c;
+			const float *b = ab + j * VEC + 4 * c;
 			if (p.f & F_DGAMMA)
 				reinterpret_cast<float4 *>(pg + vi[j] * VEC)[c] =
-					acc.at(0, j * VEC / 4 + c);
+					make_float4(a[0], a[1], a[2], a[3]);
 			if (p.f & F_DBETA)
 				reinterpret_cast<float4 *>(pb + vi[j] * VEC)[c] =
-					acc.at(1, j * VEC / 4 + c);
+					make_float4(b[0], b[1], b[2], b[3]);
 		}
-	}
-}
-
-/* acc += (dy * xh, dy) for the VEC columns of vector j. */
-template <int E, int VEC>
-__device__ __forceinline__ void accumulate(const Sums<E> &acc, int j, const float *dy,
-					   const float *xh)
-{
-#pragma unroll
-	for (int c = 0; c < VEC / 4; c++) {
-		float4 a = acc.at(0, j * VEC / 4 + c), b = acc.at(1, j * VEC / 4 + c);
-		const float *d = dy + 4 * c, *h = xh + 4 * c;
-		a.x += d[0] * h[0];
-		a.y += d[1] * h[1];
-		a.z += d[2] * h[2];
-		a.w += d[3] * h[3];
-		b.x += d[0];
-		b.y += d[1];
-		b.z += d[2];
-		b.w += d[3];
-		acc.at(0, j * VEC / 4 + c) = a;
-		acc.at(1, j * VEC / 4 + c) = b;
 	}
 }
 
@@ -184,24 +147,24 @@ template <typename T, typename W, int NV> __global__ void BWD_LAUNCH_BOUNDS bwd_
 	constexpr int VEC = 16 / sizeof(T);
 	constexpr int E = NV * VEC;
 	__shared__ RedSmem sm;
-	extern __shared__ float4 sums_smem[];
 	const int g = threadIdx.x / p.G, t = threadIdx.x % p.G;
 	const int rank = cluster_rank(p.K);
 	const int64_t first = blockIdx.x / p.K, stride = gridDim.x / p.K;
 	const int64_t iters = p.iters;
 	const bool sums = p.f & (F_DGAMMA | F_DBETA);
 	const bool presums = p.f & F_PRESUMS;
-	const Sums<E> acc = {sums_smem, (int)blockDim.x};
 	int vi[NV];
 	uint4 cx[NV], cd[NV];
+	float ag[E], ab[E];
 	int parity = 0;
 
 #pragma unroll
 	for (int j = 0; j < NV; j++)
 		vi[j] = (j * p.K + rank) * p.G + t;
-	for (int k = 0; sums && k < E / 4; k++) {
-		acc.at(0, k) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-		acc.at(1, k) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+	for (int e = 0; e < E; e++) {
+		ag[e] = 0.0f;
+		ab[e] = 0.0f;
 	}
 	bool cvalid = first < iters && first * p.R + g < p.rows;
 	load_row<T, NV>(p, first * p.R + g, cvalid, vi, cx, cd);
@@ -211,44 +174,58 @@ template <typename T, typename W, int NV> __global__ void BWD_LAUNCH_BOUNDS bwd_
 		const bool valid = row < p.rows;
 		const bool nvalid = it + stride < iters && next < p.rows;
 		uint4 nx[NV], nd[NV];
-		float xh[E], gg[E];
 		float s[2] = {0.0f, 0.0f};
 
 		load_row<T, NV>(p, next, nvalid, vi, nx, nd);
 		RowStats nst = load_stats(p, next, nvalid);
+#pragma unroll
+		for (int j = 0; j < NV && !presums; j++) {
+			float xh[VEC], dy[VEC], gg[VEC];
+			vector_terms<T, W>(p, cx[j], cd[j], vi[j] * VEC, vi[j] < p.nvec, cst, xh,
+					   dy, gg);
+#pragma unroll
+			for (int i = 0; i < VEC; i++) {
+				s[0] += gg[i];
+				s[1] += gg[i] * xh[i];
+			}
+			if (sums && valid && !presums) {
+#pragma unroll
+				for (int i = 0; i < VEC; i++) {
+					ag[j * VEC + i] += dy[i] * xh[i];
+					ab[j * VEC + i] += dy[i];
+				}
+			}
+		}
 		if (presums) {
 			s[0] = cst.s0;
 			s[1] = cst.s1;
-		}
-#pragma unroll
-		for (int j = 0; j < NV; j++) {
-			float dy[VEC];
-			vector_terms<T, W>(p, cx[j], cd[j], vi[j] * VEC, vi[j] < p.nvec, cst,
-					   xh + j * VEC, dy, gg + j * VEC);
-#pragma unroll
-			for (int i = 0; i < VEC && !presums; i++) {
-				s[0] += gg[j * VEC + i];
-				s[1] += gg[j * VEC + i] * xh[j * VEC + i];
-			}
-		}
-		if (!presums)
+		} else {
 			group_reduce<SumOp<2>>(s, p.G, p.K, sm, parity);
+		}
 		const float m1 = (p.f & F_LN) ? s[0] * p.inv_cols : 0.0f, m2 = s[1] * p.inv_cols;
 		uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.dx) + row * p.cols);
+		Params q = p; /* the same job, its weights reloaded rather than kept */
+		q.gamma = launder(q.gamma);
+		q.beta = launder(q.beta);
 #pragma unroll
 		for (int j = 0; j < NV; j++) {
 			if (!valid || vi[j] >= p.nvec)
 				continue;
-			float dx[VEC];
+			float xh[VEC], dy[VEC], gg[VEC], dx[VEC];
+			launder(cx[j]);
+			launder(cd[j]);
+			vector_terms<T, W>(q, cx[j], cd[j], vi[j] * VEC, true, cst, xh, dy, gg);
 #pragma unroll
 			for (int i = 0; i < VEC; i++)
-				dx[i] = cst.rstd * (gg[j * VEC + i] - m1 - xh[j * VEC + i] * m2);
-			__stcs(out + vi[j], pack<T>(dx));
-			if (sums) {
-				float dy[VEC];
-				unpack<T>(cd[j], dy);
-				accumulate<E, VEC>(acc, j, dy, xh + j * VEC);
+				dx[i] = cst.rstd * (gg[i] - m1 - xh[i] * m2);
+			if (sums && presums) {
+#pragma unroll
+				for (int i = 0; i < VEC; i++) {
+					ag[j * VEC + i] += dy[i] * xh[i];
+					ab[j * VEC + i] += dy[i];
+				}
 			}
+			__stcs(out + vi[j], pack<T>(dx));
 		}
 #pragma unroll
 		for (int j = 0; j < NV; j++) {
@@ -259,7 +236,7 @@ template <typename T, typename W, int NV> __global__ void BWD_LAUNCH_BOUNDS bwd_
 		parity ^= 1;
 	}
 	if (sums)
-		write_partials<NV, VEC>(p, first * p.R + g, vi, acc);
+		write_partials<NV, VEC>(p, first * p.R + g, vi, ag, ab);
 	if (!presums)
 		cluster_done(p.K);
 }
@@ -308,31 +285,11 @@ __global__ void __launch_bounds__(MAX_THREADS) bwd_row_sums(const Params p)
 	}
 }
 
-/* Raises a kernel's dynamic shared memory limit to `bytes` (once per size). */
-template <auto kern> static cudaError_t allow_smem(size_t bytes)
-{
-	static size_t allowed = 48 * 1024; /* what every kernel gets unasked */
-	if (bytes <= __atomic_load_n(&allowed, __ATOMIC_RELAXED))
-		return cudaSuccess;
-	cudaError_t err =
-		cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-	if (err == cudaSuccess)
-		__atomic_store_n(&allowed, bytes, __ATOMIC_RELAXED);
-	return err;
-}
-
 template <typename T, typename W, int NV>
 int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaStream_t stream)
 {
-	constexpr auto kern = bwd_tiled<T, W, NV>;
-	constexpr int E = NV * 16 / (int)sizeof(T);
 	int64_t units = (p.rows + s.R - 1) / s.R;
-	size_t smem = (p.f & (F_DGAMMA | F_DBETA)) ? (size_t)2 * E * sizeof(float) * s.threads : 0;
 	cudaError_t err;
-
-	err = allow_smem<kern>(smem);
-	if (err != cudaSuccess)
-		return set_error(err, "backward shared memory limit");
 
 	if (units > s.units_cap)
 		units = s.units_cap;
@@ -343,7 +300,8 @@ int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaS
 		if (err != cudaSuccess)
 			return set_error(err, "backward row sums launch");
 	}
-	err = launch_kernel(kern, units * s.K, s.threads, s.split ? 1 : s.K, stream, p, smem);
+	err = launch_kernel(bwd_tiled<T, W, NV>, units * s.K, s.threads, s.split ? 1 : s.K, stream,
+			    p);
 	return err == cudaSuccess ? NK_OK : set_error(err, "backward kernel launch");
 }
 

@@ -392,14 +392,13 @@ __device__ __forceinline__ void group_reduce(float *v, int G, int K, RedSmem &sm
 /* Launches kern(p) on a 1-D grid, as clusters of K blocks when K > 1. */
 template <typename Kern>
 static inline cudaError_t launch_kernel(Kern kern, int64_t grid, int threads, int K,
-					cudaStream_t stream, const Params &p, size_t smem = 0)
+					cudaStream_t stream, const Params &p)
 {
 	cudaLaunchConfig_t cfg = {};
 	cudaLaunchAttribute attr[1];
 
 	cfg.gridDim = dim3((unsigned)grid);
 	cfg.blockDim = dim3((unsigned)threads);
-	cfg.dynamicSmemBytes = smem;
 	cfg.stream = stream;
 	if (K > 1) {
 		attr[0].id = cudaLaunchAttributeClusterDimension;

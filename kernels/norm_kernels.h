@@ -5,7 +5,7 @@
  *   - kernels/norm_cpu.c: the CPU backend and the numerical oracle. It computes
  *     in fp32 (NK_CPU_FP32) or, in reference mode, in fp64 (NK_CPU_REFERENCE);
  *     outputs are rounded once to their storage dtype.
- *   - kernels/norm_cuda.cu: the CUDA kernels and their launchers.
+ *   - kernels/norm_cuda_*.cu: the CUDA kernels and their launchers.
  *
  * Semantics (shared by both, see docs/DESIGN.md "Job semantics"):
  *   Input is a row-major [rows, cols] view. Statistics are fp32, one per row.
@@ -202,7 +202,10 @@ struct nk_variant {
 	uint16_t threads;        /* threads per block */
 	uint16_t rows_per_block; /* rows a block owns at a time */
 	uint16_t vec_elems;      /* elements per vector load (1 = scalar) */
-	uint32_t param;          /* family-specific (e.g. register tile length) */
+	uint32_t param;          /* family-specific; the CUDA backend packs
+				    vectors a thread (bits 0-7), blocks sharing
+				    a row (8-15), the backward grid cap (16-30)
+				    and "split rows" (31), see norm_cuda_variant.cu */
 	uint32_t reserved;       /* zero */
 };
 
@@ -221,7 +224,8 @@ struct nk_cuda_exec {
 	void *workspace;       /* device scratch of nk_cuda_workspace_bytes() */
 	size_t workspace_bytes;
 	uint32_t *clamped_cols; /* device or mapped host word, written
-				   asynchronously by mem-eff bwd; may be NULL */
+				   asynchronously by every backward job
+				   (0 unless memory-efficient); may be NULL */
 };
 
 /* Fills the default (rule-based) variant for a job on a device. */
@@ -239,14 +243,23 @@ bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_devic
 /* A human-readable name such as "warp_rows/t128/r4/v8" into buf. */
 void nk_variant_name(const struct nk_variant *variant, char *buf, size_t len);
 
-/* Scratch the launch needs (dgamma/dbeta partials, counters). */
+/*
+ * Scratch the launch needs (dgamma/dbeta partials, 1 / clamp(gamma), row
+ * sums): a deterministic function of the shape and of the variant that
+ * nk_cuda_norm will actually run for `variant` (its fallback when it does
+ * not fit). 0 for forward jobs. The workspace must be 16-byte aligned; its
+ * contents need not be initialized.
+ */
 size_t nk_cuda_workspace_bytes(const struct nk_norm_args *args,
 			       const struct nk_device_info *dev, const struct nk_variant *variant);
 
 /*
- * Enqueues the job on exec->stream. If `variant` does not fit the job
- * (alignment, shared memory), the launcher falls back to a variant that
- * does and writes what it ran into *ran (may be NULL). Never synchronizes.
+ * Enqueues the job on exec->stream. If `variant` (NULL: the default) does
+ * not fit the job (alignment, shared memory), the launcher falls back to
+ * the default variant, or the generic one, and writes what it ran into *ran
+ * (may be NULL). Never synchronizes. NK_EINVAL for a job nk_norm_check
+ * refuses, a pointer not aligned to its element size, or a missing or too
+ * small workspace; NK_EDEVICE when a launch fails. Thread-safe.
  */
 int nk_cuda_norm(const struct nk_norm_args *args, const struct nk_device_info *dev,
 		 const struct nk_variant *variant, const struct nk_cuda_exec *exec,

@@ -67,7 +67,7 @@
 #define MAX_SIZE (1ull << 26)     /* largest rows or cols accepted on the command line */
 #define MAX_LIST 64
 #define DETAIL_LINES 5            /* failure descriptions each thread prints */
-#define ROLES (JK_DBETA + 1)      /* jobkit's tensor roles of the norm ops */
+#define ROLES (JK_MAIN_GRAD + 1)  /* jobkit's tensor roles */
 #define PROGRESS_NS 500000000ull  /* progress line refresh */
 #define TICK_NS 10000000ull       /* the parent's polling period */
 
@@ -116,6 +116,7 @@ static const struct name_value op_names[] = {
 	{"rms_fwd", NC_RMSNORM_FWD},	     {"rms_bwd", NC_RMSNORM_BWD},
 	{"layernorm_fwd", NC_LAYERNORM_FWD}, {"layernorm_bwd", NC_LAYERNORM_BWD},
 	{"rmsnorm_fwd", NC_RMSNORM_FWD},     {"rmsnorm_bwd", NC_RMSNORM_BWD},
+	{"wgrad", NC_WGRAD_ACCUM},	     {"wgrad_accum", NC_WGRAD_ACCUM},
 };
 
 static const struct name_value dtype_names[] = {
@@ -134,7 +135,8 @@ static const char usage_text[] =
 	"  --threads T        threads per process, each with its own connection (1)\n"
 	"  --jobs J           stop after J requests in all\n"
 	"  --duration S       stop after S seconds (with --jobs: whichever comes first)\n"
-	"  --ops LIST         ops to mix: ln_fwd,ln_bwd,rms_fwd,rms_bwd (all)\n"
+	"  --ops LIST         ops to mix: ln_fwd,ln_bwd,rms_fwd,rms_bwd,wgrad\n"
+	"                     (default: the four norm ops)\n"
 	"  --dtypes LIST      input dtypes to mix: f32,f16,bf16 (all); half of the\n"
 	"                     f16/bf16 jobs get f32 weights\n"
 	"  --rows, --cols     sizes: a list (1,7,256) or a range drawn log-uniformly\n"
@@ -535,6 +537,8 @@ static bool op_is_backward(int op)
 /* Whether jobkit role `role` is written by `op`. */
 static bool role_is_output(int op, int role)
 {
+	if (op == NC_WGRAD_ACCUM)
+		return role == JK_MAIN_GRAD;
 	if (op_is_backward(op))
 		return role == JK_DX || role == JK_DGAMMA || role == JK_DBETA;
 	return role == JK_Y || role == JK_MEAN || role == JK_RSTD;
@@ -556,6 +560,13 @@ static void kit_random_spec(const struct stress_opts *o, uint64_t *rng, struct j
 	s->memory_efficient = rng_next(rng) & 1;
 	s->accumulate = rng_below(rng, 4) == 0;
 	s->seed = rng_next(rng);
+	if (s->op == NC_WGRAD_ACCUM) {
+		/* The GEMM costs rows*cols*out: keep it to a few million multiply-adds. */
+		s->cols = s->cols > 512 ? 1 + s->cols % 512 : s->cols;
+		s->out_features = 1 + rng_below(rng, 64);
+		s->accumulate = rng_next(rng) & 1; /* main_grad += (or =) */
+		s->memory_efficient = false;
+	}
 }
 
 static int kit_create(nc_conn *conn, const struct stress_opts *o, uint64_t *rng, struct kit *k)
@@ -607,9 +618,11 @@ static void kit_describe(const struct kit *k, char *buf, size_t len)
 {
 	const struct jobkit_spec *s = &k->jk.spec;
 	const char *op = "?";
-	for (size_t i = 0; i < 4; i++) {
-		if (op_names[i].value == (int)s->op)
+	for (size_t i = 0; i < sizeof(op_names) / sizeof(op_names[0]); i++) {
+		if (op_names[i].value == (int)s->op) {
 			op = op_names[i].name;
+			break;
+		}
 	}
 	snprintf(buf, len, "%s %llux%llu %s/%s%s%s%s%s", op, (unsigned long long)s->rows,
 		 (unsigned long long)s->cols, jobkit_dtype_name(s->dtype),
@@ -664,8 +677,8 @@ static const struct {
 static struct nc_tensor *job_tensor(struct nc_job *job, int role)
 {
 	struct nc_tensor *const tensors[ROLES] = {
-		&job->x, &job->y, &job->mean, &job->rstd, &job->gamma,
-		&job->beta, &job->dy, &job->dx, &job->dgamma, &job->dbeta,
+		&job->x,  &job->y,  &job->mean,	  &job->rstd,  &job->gamma,	 &job->beta,
+		&job->dy, &job->dx, &job->dgamma, &job->dbeta, &job->main_grad,
 	};
 	return tensors[role];
 }

@@ -22,6 +22,7 @@ Checks (tests/python/torch_checks.py holds the shared ones):
 - non-contiguous inputs, the functional forms, apex's signatures, errors,
   autocast (apex casts to the autocast dtype);
 - ordering with the current stream (a side stream with pending work);
+- Client.run with CUDA tensors (RMSNORM_FWD, WGRAD_ACCUM);
 - one registration per caching-allocator segment;
 - a small transformer trained 200 steps with normd's norms and with
   torch's (memory_efficient off and on): loss curves within 1%;
@@ -160,6 +161,25 @@ def check_registration_cache(client):
     assert 0 < regions < client.server_info["max_regions"]
 
 
+def check_raw_client(client):
+    """Client.run with CUDA torch tensors: dtypes inferred, the current stream used."""
+    x = torch.randn(32, 512, device=DEVICE, dtype=torch.bfloat16) * 3
+    y = torch.empty_like(x)
+    rstd = torch.empty(32, device=DEVICE)
+    res = client.run("RMSNORM_FWD", 32, 512, x=x, y=y, rstd=rstd)
+    assert res.status == "OK" and res.variant, res
+    checks.expect_close("raw RMSNORM_FWD", y, checks.rms_reference(x.double(), (512,), None,
+                                                                    1e-5),
+                        checks.TOL[torch.bfloat16])
+    tokens, n_in, n_out = 64, 128, 96
+    x = torch.randn(tokens, n_in, device=DEVICE, dtype=torch.bfloat16)
+    dy = torch.randn(tokens, n_out, device=DEVICE, dtype=torch.bfloat16)
+    main_grad = torch.ones(n_out, n_in, device=DEVICE)
+    client.run("WGRAD_ACCUM", tokens, n_in, out_features=n_out, x=x, dy=dy, main_grad=main_grad)
+    ref = 1 + dy.double().T @ x.double()
+    checks.expect_close("raw WGRAD_ACCUM", main_grad, ref, 1e-4)
+
+
 def check_server(client):
     info = client.server_info
     assert info["backend"] == "cuda", info
@@ -254,6 +274,7 @@ def main(argv):
         runner.run("errors", checks.check_errors, DEVICE)
         runner.run("autocast", check_autocast)
         runner.run("stream ordering", check_stream_ordering)
+        runner.run("Client.run with CUDA tensors", check_raw_client, client)
         runner.run("registration cache", check_registration_cache, client)
         runner.run("server info and variants", check_server, client)
         runner.run("training (memory_efficient off)", check_training_run, client, False)

@@ -95,3 +95,21 @@ def test_short_training_run(staged):
     _, _, worst = checks.check_training("cpu", steps=25, dim=32, heads=2, seq=16, batch=4,
                                         require_learning=False)
     assert worst <= 0.01
+
+
+def test_client_run_with_torch_tensors(client):
+    """torch tensors as job tensors (the path CUDA tensors take, here in host regions)."""
+    rows, cols = 5, 48
+    x = torch.from_numpy(client.host_array((rows, cols), "bf16")).view(torch.bfloat16)
+    x.copy_(torch.randn(rows, cols) * 3)
+    y = torch.from_numpy(client.host_array((rows, cols), "bf16")).view(torch.bfloat16)
+    rstd = torch.from_numpy(client.host_array(rows, "f32"))
+    res = client.run("RMSNORM_FWD", rows, cols, x=x, y=y, rstd=rstd)
+    assert res.status == "OK"
+    ref = checks.rms_reference(x.double(), (cols,), None, 1e-5)
+    checks.expect_close("y", y, ref, checks.TOL[torch.bfloat16])
+    with pytest.raises(TypeError, match="tensor y is F32 but the job needs BF16"):
+        client.run("RMSNORM_FWD", rows, cols, x=x, y=torch.from_numpy(
+            client.host_array((rows, cols), "f32")), rstd=rstd)
+    with pytest.raises(normd.NormdError, match="not inside a host region"):
+        client.run("RMSNORM_FWD", rows, cols, x=x, y=torch.empty_like(x), rstd=rstd)

@@ -208,8 +208,9 @@ class Client:
     def close(self):
         """Frees this client's host regions, says Goodbye and closes. Idempotent.
 
-        Arrays made from host regions stay readable; CUDA registrations are
-        released by the daemon once their jobs end.
+        Call it when no other thread is using the client. Arrays made from
+        host regions stay readable; CUDA registrations are released by the
+        daemon once their jobs end.
         """
         self._finalizer()
 
@@ -474,9 +475,13 @@ class Client:
         The arguments are make_job()'s. stream: a cudaStream_t as an int
         (``torch.cuda.current_stream().cuda_stream``): the job starts after
         the work queued on it and is complete when run() returns, so work
-        queued afterwards sees its outputs (nc_job_run_on_stream).
+        queued afterwards sees its outputs (nc_job_run_on_stream). When the
+        job names CUDA torch tensors and no stream is given, the current
+        stream of their device is used.
         """
         job, keep = self.make_job(op, rows, cols, **job_args)
+        if stream is None:
+            stream = _current_stream_of(keep)
         return self.run_job(job, stream=stream, timeout_ms=timeout_ms, keepalive=keep)
 
     def run_job(self, job, *, stream=None, timeout_ms=None, keepalive=()):
@@ -495,14 +500,24 @@ class Client:
     def submit(self, op, rows, cols, **job_args):
         """Sends a job without waiting; returns a PendingJob to wait() on.
 
-        Host memory only: for device memory use run(..., stream=...), which
-        orders the job with the stream's work.
+        Nothing orders the job with CUDA streams: for device memory prefer
+        run(), which orders it after the current stream's work.
         """
         job, keep = self.make_job(op, rows, cols, **job_args)
         request_id = ctypes.c_uint64()
         check(self._lib.nc_job_submit(self._handle(), ctypes.byref(job),
                                       ctypes.byref(request_id)))
         return PendingJob(self, request_id.value, keep)
+
+
+def _current_stream_of(objects):
+    """torch's current stream (as an int) for the first CUDA tensor among objects, or None."""
+    for obj in objects:
+        if _is_torch_tensor(obj) and obj.is_cuda:
+            import torch
+
+            return torch.cuda.current_stream(obj.device).cuda_stream
+    return None
 
 
 def latency_quantile_us(buckets, quantile):

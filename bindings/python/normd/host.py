@@ -161,21 +161,22 @@ def to_bf16(values):
     NaN stays NaN (quiet), infinities stay infinite, overflow rounds to infinity.
     """
     np = _numpy()
-    f = np.ascontiguousarray(values, dtype=np.float32)
+    given = np.asarray(values, dtype=np.float32)
+    f = np.ascontiguousarray(given).reshape(-1)
     bits = f.view(np.uint32).astype(np.uint64)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     out = rounded.astype(np.uint16)
     nan = np.isnan(f)
     if nan.any():
         out[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
-    return out
+    return out.reshape(given.shape)
 
 
 def from_bf16(bits):
     """bf16 bit patterns (uint16) -> float32 (exact)."""
     np = _numpy()
-    b = np.ascontiguousarray(bits, dtype=np.uint16)
-    return (b.astype(np.uint32) << 16).view(np.float32)
+    b = np.asarray(bits, dtype=np.uint16)
+    return (b.astype(np.uint32) << 16).view(np.float32).reshape(b.shape)
 
 
 def host_error(message, status="NOT_FOUND"):

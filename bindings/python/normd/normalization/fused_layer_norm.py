@@ -167,13 +167,15 @@ def _run_staged(client, op, rows, cols, args, tensors):
         for role in _OUTPUTS[op]:
             if role in tensors:
                 tensors[role].copy_(staged[role])
-        del staged, raw
     finally:
         region.free()
 
 
 def _forward(client, rms, input, weight, bias, shape, eps, mixed):
-    """Runs the forward job; returns (output, input as computed on, mean, invvar, upcast)."""
+    """Runs the forward job; returns (output, mean, invvar, upcast, job weight_dtype).
+
+    mean is None for RMSNorm; upcast and weight_dtype are _plan()'s.
+    """
     rows, cols = _rows_cols(input, shape)
     _check_param("weight", weight, input, shape)
     _check_param("bias", bias, input, shape)

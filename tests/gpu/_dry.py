@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""The Python binding on a GPU: normd.normalization against PyTorch.
+
+Run by tests/gpu/run.sh (make test-gpu) where python3 can import torch:
+
+    python3 tests/gpu/test_python.py BUILD_DIR
+
+It starts its own daemon (BUILD_DIR/bin/normd --device 0) on a socket in a
+temporary directory, with that directory as --state-dir, and stops it with
+SIGTERM at the end (it must exit 0). The client side finds
+BUILD_DIR/lib/libnormclient.so through $NORMD_LIBRARY, which this script
+sets.
+
+Checks (tests/python/torch_checks.py holds the shared ones):
+- every module (FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm,
+  MixedFusedRMSNorm) in fp32, fp16 and bf16, memory_efficient off and on,
+  elementwise_affine on and off, six normalized shapes up to 65536 columns:
+  the output against float64 and against torch's own F.layer_norm /
+  F.rms_norm in the same dtype; dx, dweight, dbias against float64 autograd
+  on the same inputs; what autograd saved (output with memory_efficient,
+  else input; mean and invvar in fp32);
+- non-contiguous inputs, the functional forms, apex's signatures, errors,
+  autocast (apex casts to the autocast dtype);
+- ordering with the current stream (a side stream with pending work);
+- Client.run with CUDA tensors (RMSNORM_FWD, WGRAD_ACCUM);
+- one registration per caching-allocator segment;
+- a small transformer trained 200 steps with normd's norms and with
+  torch's (memory_efficient off and on): loss curves within 1%;
+- PyTorch's expandable segments give NormdError UNSUPPORTED (last: it
+  changes the allocator's settings).
+
+Prints one line per check (failures with their message), then
+"N passed, N failed"; exits non-zero if anything failed.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO / "bindings" / "python"), str(REPO / "tests" / "python")]
+
+# CUDA IPC needs cudaMalloc memory: the test owns its allocator settings.
+_alloc_conf = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import normd  # noqa: E402
+import torch_checks as checks  # noqa: E402
+from normd import normalization as N  # noqa: E402
+
+DEVICE = "cpu"
+
+
+class Daemon:
+    """build/bin/normd --device 0 on a private socket and state directory."""
+
+    def __init__(self, build):
+        self.dir = tempfile.mkdtemp(prefix="normd-pygpu.")
+        self.socket = os.path.join(self.dir, "normd.sock")
+        self.log_path = os.path.join(self.dir, "normd.log")
+        argv = [str(build / "bin" / "normd"), "--config", "/dev/null", "--device", "cpu",
+                "--socket", self.socket, "--state-dir", self.dir, "--log-level", "info"]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("normd did not start:\n" + self.log())
+            time.sleep(0.05)
+
+    def log(self):
+        try:
+            return Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                return -1
+        return self.proc.returncode
+
+    def cleanup(self):
+        for name in os.listdir(self.dir):
+            os.unlink(os.path.join(self.dir, name))
+        os.rmdir(self.dir)
+
+
+class Runner:
+    """Counts checks; prints failures with their message."""
+
+    def __init__(self):
+        self.passed = 0
+        self.failed = 0
+        self.skipped = 0
+
+    def run(self, name, fn, *args, quiet=False, **kwargs):
+        start = time.monotonic()
+        try:
+            out = fn(*args, **kwargs)
+        except Skip as why:
+            self.skipped += 1
+            print("SKIP  %s: %s" % (name, why), flush=True)
+            return None
+        except Exception:  # a failed check, or anything it raised
+            self.failed += 1
+            print("FAIL  %s" % name, flush=True)
+            print("      " + traceback.format_exc().strip().replace("\n", "\n      "), flush=True)
+            return None
+        self.passed += 1
+        if not quiet:
+            print("PASS  %s (%.1f s)" % (name, time.monotonic() - start), flush=True)
+        return out
+
+
+class Skip(Exception):
+    pass
+
+
+# ---- GPU-only checks -----------------------------------------------------------------
+
+
+def check_stream_ordering():
+    """A job on a side stream sees the work queued before it on that stream."""
+    side = torch.cuda.Stream()
+    a = torch.randn(2048, 2048, device=DEVICE)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        x = a
+        for _ in range(8):  # long enough to be still running when the job is sent
+            x = torch.tanh(x @ a) * 0.5
+        y = N.fused_layer_norm(x, (2048,), 1e-5)
+        ref = F.layer_norm(x.double(), (2048,), eps=1e-5)
+    torch.cuda.synchronize()
+    checks.expect_close("side stream", y, ref, checks.TOL[torch.float32])
+
+
+def check_registration_cache(client):
+    """Tensors of one caching-allocator segment share one registration."""
+    a = torch.empty(1024, device=DEVICE)
+    b = torch.empty(1024, device=DEVICE)
+    ta, tb = client.tensor(a), client.tensor(b)
+    assert ta.region == tb.region, "two small tensors in one segment: %r %r" % (ta, tb)
+    assert abs(int(tb.offset) - int(ta.offset)) >= 4096
+    regions = client.stats()["regions"]
+    print("      the daemon holds %d regions for this client (segments of the caching "
+          "allocator)" % regions)
+    assert 0 < regions < client.server_info["max_regions"]
+
+
+def check_raw_client(client):
+    """Client.run with CUDA torch tensors: dtypes inferred, the current stream used."""
+    x = torch.randn(32, 512, device=DEVICE, dtype=torch.bfloat16) * 3
+    y = torch.empty_like(x)
+    rstd = torch.empty(32, device=DEVICE)
+    res = client.run("RMSNORM_FWD", 32, 512, x=x, y=y, rstd=rstd)
+    assert res.status == "OK" and res.variant, res
+    checks.expect_close("raw RMSNORM_FWD", y, checks.rms_reference(x.double(), (512,), None,
+                                                                    1e-5),
+                        checks.TOL[torch.bfloat16])
+    tokens, n_in, n_out = 64, 128, 96
+    x = torch.randn(tokens, n_in, device=DEVICE, dtype=torch.bfloat16)
+    dy = torch.randn(tokens, n_out, device=DEVICE, dtype=torch.bfloat16)
+    main_grad = torch.ones(n_out, n_in, device=DEVICE)
+    client.run("WGRAD_ACCUM", tokens, n_in, out_features=n_out, x=x, dy=dy, main_grad=main_grad)
+    ref = 1 + dy.double().T @ x.double()
+    checks.expect_close("raw WGRAD_ACCUM", main_grad, ref, 1e-4)
+
+
+def check_server(client):
+    info = client.server_info
+    assert info["backend"] == "cuda", info
+    assert 0 in info["device_index"], info
+    variants = client.variants()
+    assert variants, "no kernel variants after the jobs"
+    print("      %d variants cached, e.g. %s" % (len(variants), variants[0]["variant"]))
+
+
+def check_autocast():
+    """Under autocast, the functions cast to the autocast dtype (as apex does)."""
+    x = torch.randn(16, 256, device=DEVICE)
+    w = torch.rand(256, device=DEVICE) + 0.5
+    b = torch.randn(256, device=DEVICE)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = N.fused_layer_norm_affine(x, w, b, (256,), 1e-5)
+    assert y.dtype == torch.bfloat16, y.dtype
+    ref = F.layer_norm(x.bfloat16().double(), (256,), w.bfloat16().double(),
+                       b.bfloat16().double(), 1e-5)
+    checks.expect_close("autocast", y, ref, checks.TOL[torch.bfloat16])
+
+
+def check_training_run(client, memory_efficient):
+    torch_losses, normd_losses, worst = checks.check_training(
+        DEVICE, steps=20, memory_efficient=memory_efficient, client=client)
+    print("      loss %.4f -> %.4f (torch) / %.4f -> %.4f (normd); worst step differs by %.4f%%"
+          % (torch_losses[0], torch_losses[-1], normd_losses[0], normd_losses[-1], 100 * worst))
+
+
+def check_expandable_segments(client):
+    """Memory from expandable segments cannot be exported: UNSUPPORTED, with a hint."""
+    settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if settings is None:
+        raise Skip("this torch cannot change allocator settings at run time")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    settings("expandable_segments:True")
+    x = None
+    try:
+        x = torch.randn(3, 33554432 // 4 + 17, device=DEVICE)  # a new, large allocation
+        try:
+            N.fused_rms_norm(x[:, :4096].contiguous(), (4096,))
+        except normd.NormdError as err:
+            assert err.status == "UNSUPPORTED", str(err)
+            assert "expandable_segments" in err.message, err.message
+            print("      %s" % err)
+            return
+        raise Skip("the allocator setting did not take effect (the job ran)")
+    finally:
+        del x
+        torch.cuda.synchronize()
+        settings("expandable_segments:False")
+        torch.cuda.empty_cache()
+
+
+# ---- main --------------------------------------------------------------------------------
+
+
+def main(argv):
+    build = Path(argv[1]) if len(argv) > 1 else REPO / "build"
+    build = build if build.is_absolute() else Path.cwd() / build
+    os.environ["NORMD_LIBRARY"] = str(build / "lib" / "libnormclient.so")
+    if _alloc_conf:
+        print("note: ignoring PYTORCH_CUDA_ALLOC_CONF=%s for this test" % _alloc_conf)
+    if False:
+        print("error: torch %s sees no CUDA device" % torch.__version__, file=sys.stderr)
+        print("0 passed, 1 failed")
+        return 1
+    print("torch %s on %s; library %s" % (torch.__version__, "cpu",
+                                          os.environ["NORMD_LIBRARY"]), flush=True)
+    runner = Runner()
+    daemon = Daemon(build)
+    client = None
+    try:
+        client = normd.Client(daemon.socket, name="test_python")
+        normd.set_default_client(client)
+        cases = list(checks.module_cases())
+        start = time.monotonic()
+        before = runner.failed
+        for case in cases:
+            runner.run("module " + checks.case_id(case), checks.check_module, case, DEVICE,
+                       quiet=True)
+        print("%s  %d module cases (%d failed, %.1f s)"
+              % ("PASS" if runner.failed == before else "FAIL", len(cases),
+                 runner.failed - before, time.monotonic() - start), flush=True)
+        for name in checks.MODULES:
+            case = (name, torch.bfloat16, False, True, (6, 5, 40), (5, 40))
+            runner.run("non-contiguous " + name, checks.check_module, case, DEVICE,
+                       noncontiguous=True)
+        runner.run("functional forms", checks.check_functionals, DEVICE)
+        runner.run("apex signatures", checks.check_signatures)
+        runner.run("errors", checks.check_errors, DEVICE)
+        runner.run("autocast", check_autocast)
+        runner.run("stream ordering", check_stream_ordering)
+        runner.run("Client.run with CUDA tensors", check_raw_client, client)
+        runner.run("registration cache", check_registration_cache, client)
+        runner.run("server info and variants", check_server, client)
+        runner.run("training (memory_efficient off)", check_training_run, client, False)
+        runner.run("training (memory_efficient on)", check_training_run, client, True)
+        runner.run("expandable segments refused", check_expandable_segments, client)
+    finally:
+        if client is not None:
+            normd.set_default_client(None)
+            client.close()
+        rc = daemon.stop()
+        log = daemon.log()
+        daemon.cleanup()
+        if rc == 0:
+            runner.passed += 1
+            print("PASS  daemon exited 0 on SIGTERM")
+        else:
+            runner.failed += 1
+            print("FAIL  daemon exited %s on SIGTERM" % rc)
+    if runner.failed:
+        print("---- the daemon's log, last 40 lines ----\n" + "\n".join(log.splitlines()[-40:]))
+    print("%d passed, %d failed%s" % (runner.passed, runner.failed,
+                                      ", %d skipped" % runner.skipped if runner.skipped else ""))
+    return 1 if runner.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
