@@ -16,8 +16,8 @@ DEFAULT_TIMEOUT_MS = 30000
 
 _EXPANDABLE_HINT = (
     " -- PyTorch allocates such memory when PYTORCH_CUDA_ALLOC_CONF contains "
-    "expandable_segments:True; normd needs cudaMalloc memory (CUDA IPC), so unset "
-    "that option in processes that use normd")
+    "expandable_segments:True (or backend:cudaMallocAsync); normd needs cudaMalloc memory "
+    "(CUDA IPC), so remove that setting in processes that use normd")
 
 
 class JobResult:
