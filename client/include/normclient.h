@@ -94,8 +94,9 @@ NC_API int nc_connect(const char *socket_path, const char *client_name, int time
 /*
  * Says Goodbye, closes the socket and frees the connection. Regions still
  * registered are released by the daemon once their jobs end; their local
- * mappings are unmapped here. Accepts NULL. Call it once, from one thread,
- * when no other thread uses the connection.
+ * mappings are unmapped and their nc_region handles freed here, so none may
+ * be used afterwards. Accepts NULL. Call it once, from one thread, when no
+ * other thread uses the connection.
  */
 NC_API void nc_close(nc_conn *conn);
 
@@ -226,8 +227,10 @@ NC_API struct nc_tensor nc_tensor_at(const nc_region *region, const void *ptr);
  * use; later calls for the same allocation reuse that registration (cached
  * per connection by the driver's allocation id, so memory freed and
  * allocated again at the same address is registered anew). Such regions
- * belong to the connection and are released by nc_close(). NULL gives the
- * absent tensor. Any thread.
+ * belong to the connection: whenever a new allocation is registered, those
+ * whose allocation has been freed are unregistered (so the daemon's mapping
+ * does not keep freed memory alive), and nc_close() releases the rest. NULL
+ * gives the absent tensor. Any thread.
  */
 NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *out);
 

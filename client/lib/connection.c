@@ -492,7 +492,7 @@ NC_API void nc_close(nc_conn *conn)
 	}
 	if (conn->fd >= 0)
 		close(conn->fd);
-	nc__device_release_all(conn);
+	nc__regions_release_all(conn);
 	while (conn->replies) {
 		struct nc__reply *r = conn->replies;
 		conn->replies = r->next;

@@ -93,7 +93,42 @@ NC_API int nc_region_register_device(nc_conn *conn, const void *ptr, nc_region *
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn, ptr and out must not be NULL");
 	struct nk_cuda_pointer_info info;
 	int rc = device_pointer_info(ptr, &info);
-	return rc ? rc : device_region_register(conn, &info, out);
+	if (rc == 0)
+		rc = device_region_register(conn, &info, out);
+	if (rc == 0)
+		nc__region_track(*out);
+	return rc;
+}
+
+/*
+ * Unregisters the lazily registered regions whose allocation is gone (freed,
+ * or its address reused by another allocation): otherwise the daemon's
+ * mapping would keep freed memory alive. Called on a cache miss.
+ */
+static void device_sweep_stale(nc_conn *conn)
+{
+	nc_region *stale = NULL;
+	pthread_mutex_lock(&conn->lock);
+	for (nc_region **p = &conn->regions; *p;) {
+		nc_region *r = *p;
+		struct nk_cuda_pointer_info info;
+		const char *why;
+		if (r->lazy && (nk_cuda_pointer_info(r->data, &info, &why) != 0 ||
+				info.buffer_id != r->buffer_id)) {
+			*p = r->next;
+			r->next = stale;
+			stale = r;
+			continue;
+		}
+		p = &r->next;
+	}
+	pthread_mutex_unlock(&conn->lock);
+	while (stale) {
+		nc_region *r = stale;
+		stale = r->next;
+		nc__region_unregister(r);
+		nc__free(r);
+	}
 }
 
 NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *out)
@@ -110,50 +145,24 @@ NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *ou
 		return rc;
 	nc_region *found = NULL;
 	pthread_mutex_lock(&conn->lock);
-	for (nc_region *r = conn->lazy_regions; r; r = r->next) {
-		if (r->buffer_id == info.buffer_id) {
+	for (nc_region *r = conn->regions; r; r = r->next) {
+		if (r->lazy && r->buffer_id == info.buffer_id) {
 			found = r;
 			break;
 		}
 	}
 	pthread_mutex_unlock(&conn->lock);
 	if (!found) {
+		device_sweep_stale(conn);
 		rc = device_region_register(conn, &info, &found);
 		if (rc)
 			return rc;
 		found->lazy = true;
-		pthread_mutex_lock(&conn->lock);
-		found->next = conn->lazy_regions;
-		conn->lazy_regions = found;
-		pthread_mutex_unlock(&conn->lock);
+		nc__region_track(found);
 	}
 	out->region = found->id;
 	out->offset = (uint64_t)((uintptr_t)ptr - info.base);
 	return 0;
-}
-
-void nc__device_forget(nc_region *region)
-{
-	if (!region->lazy)
-		return;
-	nc_conn *conn = region->conn;
-	pthread_mutex_lock(&conn->lock);
-	for (nc_region **p = &conn->lazy_regions; *p; p = &(*p)->next) {
-		if (*p == region) {
-			*p = region->next;
-			break;
-		}
-	}
-	pthread_mutex_unlock(&conn->lock);
-}
-
-void nc__device_release_all(nc_conn *conn)
-{
-	while (conn->lazy_regions) {
-		nc_region *r = conn->lazy_regions;
-		conn->lazy_regions = r->next;
-		nc__free(r);
-	}
 }
 
 NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *stream,

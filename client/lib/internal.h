@@ -24,7 +24,7 @@ struct nc_region {
 	int device;                 /* -1: host memfd */
 	unsigned long long buffer_id; /* device: the driver's allocation id */
 	bool lazy;                  /* registered by nc_tensor_device(), owned by conn */
-	struct nc_region *next;     /* conn's list of lazily registered regions */
+	struct nc_region *next;     /* conn's list of its regions */
 };
 
 /* A reply that arrived for a request no thread has claimed yet. */
@@ -49,7 +49,7 @@ struct nc_conn {
 	uint8_t *in_buf;             /* only the active reader touches these */
 	size_t in_len, in_cap;
 	struct nc_server_info info;
-	struct nc_region *lazy_regions; /* device allocations registered on first use */
+	struct nc_region *regions;  /* every region registered and not yet freed */
 };
 
 /* Records the calling thread's error message and returns `status`. */
@@ -74,9 +74,11 @@ int nc__call(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms,
 /* Sends `env` and waits for a Result; returns its status (message recorded). */
 int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms);
 
-/* Drops a device region from its connection's lazy cache (lock taken inside). */
-void nc__device_forget(nc_region *region);
-/* Frees the lazily registered regions' local state (at nc_close). */
-void nc__device_release_all(nc_conn *conn);
+/* Adds a registered region to its connection's list (lock taken inside). */
+void nc__region_track(nc_region *region);
+/* Sends UnregisterRegion for it; returns the daemon's status. */
+int nc__region_unregister(nc_region *region);
+/* Unmaps and frees every region still listed (at nc_close; no messages). */
+void nc__regions_release_all(nc_conn *conn);
 
 #endif /* NORMCLIENT_INTERNAL_H */

@@ -52,6 +52,7 @@ static int region_create(nc_conn *conn, int fd, size_t size, nc_region **out)
 		nc__free(region);
 		return rc;
 	}
+	nc__region_track(region);
 	*out = region;
 	return 0;
 }
@@ -79,22 +80,62 @@ NC_API int nc_region_register_fd(nc_conn *conn, int fd, size_t size, nc_region *
 	return region_create(conn, fd, size, out);
 }
 
-NC_API int nc_region_free(nc_region *region)
+void nc__region_track(nc_region *region)
 {
-	if (!region)
-		return 0;
+	nc_conn *conn = region->conn;
+	pthread_mutex_lock(&conn->lock);
+	region->next = conn->regions;
+	conn->regions = region;
+	pthread_mutex_unlock(&conn->lock);
+}
+
+static void region_untrack(nc_region *region)
+{
+	nc_conn *conn = region->conn;
+	pthread_mutex_lock(&conn->lock);
+	for (nc_region **p = &conn->regions; *p; p = &(*p)->next) {
+		if (*p == region) {
+			*p = region->next;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&conn->lock);
+}
+
+int nc__region_unregister(nc_region *region)
+{
 	Normd__UnregisterRegion unreg = NORMD__UNREGISTER_REGION__INIT;
 	unreg.region_id = region->id;
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.body_case = NORMD__ENVELOPE__BODY_UNREGISTER_REGION;
 	env.unregister_region = &unreg;
-	int rc = nc__call_result(region->conn, &env, -1, NC__REGION_TIMEOUT_MS);
+	return nc__call_result(region->conn, &env, -1, NC__REGION_TIMEOUT_MS);
+}
+
+static void region_release(nc_region *region)
+{
 	if (region->device < 0)
 		munmap(region->data, region->size);
-	else
-		nc__device_forget(region);
 	nc__free(region);
+}
+
+NC_API int nc_region_free(nc_region *region)
+{
+	if (!region)
+		return 0;
+	region_untrack(region);
+	int rc = nc__region_unregister(region);
+	region_release(region);
 	return rc;
+}
+
+void nc__regions_release_all(nc_conn *conn)
+{
+	while (conn->regions) {
+		nc_region *r = conn->regions;
+		conn->regions = r->next;
+		region_release(r);
+	}
 }
 
 NC_API void *nc_region_data(const nc_region *region)
