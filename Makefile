@@ -73,7 +73,7 @@ $(B)/obj/gen/normd.pb-c.o: $(B)/gen/normd.pb-c.c
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -O2 -g -fPIC -fvisibility=hidden -I$(B)/gen -c $< -o $@
 
-$(B)/obj/kernels/%.cu.o: kernels/%.cu kernels/norm_kernels.h
+$(B)/obj/kernels/%.cu.o: kernels/%.cu kernels/norm_kernels.h kernels/norm_cuda_internal.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCC_FLAGS) -c $< -o $@
 

@@ -321,8 +321,8 @@ int main(int argc, char **argv)
 		enum nk_op op;
 		bool memeff;
 	} ops[] = {
-		{NK_LAYERNORM_FWD, false}, {NK_LAYERNORM_BWD, false}, {NK_LAYERNORM_BWD, true},
-		{NK_RMSNORM_FWD, false},   {NK_RMSNORM_BWD, false},   {NK_RMSNORM_BWD, true},
+	    {NK_LAYERNORM_FWD, false}, {NK_LAYERNORM_BWD, false}, {NK_LAYERNORM_BWD, true},
+	    {NK_RMSNORM_FWD, false},   {NK_RMSNORM_BWD, false},	  {NK_RMSNORM_BWD, true},
 	};
 	/* An optional argument limits the run to one cols value (for quick looks). */
 	int64_t only = argc > 1 ? atoll(argv[1]) : 0;

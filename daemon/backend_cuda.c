@@ -61,6 +61,7 @@ struct cuda_device {
 	uv_mutex_t lock;           /* the queue below */
 	uv_cond_t wake;
 	struct job *head, *tail;
+	atomic_uint queued;        /* jobs in the queue, for spinning workers to watch */
 	bool stopping;
 	struct cuda_worker workers[CUDA_WORKERS_PER_DEVICE];
 	int worker_count;
@@ -72,6 +73,7 @@ struct backend_cuda {
 	struct cuda_device *devices;
 	int device_count;
 	bool autotune;
+	uint64_t busy_poll_us;           /* config: spin before sleeping */
 	atomic_bool fatal;
 	char fatal_message[96];           /* written once, by whoever set `fatal` */
 };
@@ -429,12 +431,27 @@ static void worker_run(struct cuda_worker *w, struct job *job)
 	job->status = NC_OK;
 }
 
+/*
+ * Spins up to `spin_ns` for a job to appear before the caller sleeps on the
+ * condition variable: a sleeping thread takes tens of microseconds to wake,
+ * which a tiny job would feel end to end.
+ */
+static void worker_spin(struct cuda_device *dev, uint64_t spin_ns)
+{
+	uint64_t until = server_now_ns() + spin_ns;
+	while (spin_ns && atomic_load_explicit(&dev->queued, memory_order_acquire) == 0 &&
+	       server_now_ns() < until)
+		;
+}
+
 static void worker_main(void *arg)
 {
 	struct cuda_worker *w = arg;
 	struct cuda_device *dev = w->dev;
+	uint64_t spin_ns = dev->backend->busy_poll_us * 1000;
 	cudaSetDevice(dev->ordinal);
 	for (;;) {
+		worker_spin(dev, spin_ns);
 		uv_mutex_lock(&dev->lock);
 		while (!dev->head && !dev->stopping)
 			uv_cond_wait(&dev->wake, &dev->lock);
@@ -443,6 +460,7 @@ static void worker_main(void *arg)
 			dev->head = job->next;
 			if (!dev->head)
 				dev->tail = NULL;
+			atomic_fetch_sub(&dev->queued, 1);
 		}
 		uv_mutex_unlock(&dev->lock);
 		if (!job)
@@ -473,6 +491,7 @@ static int cuda_submit(struct backend *backend, struct job *job)
 	else
 		dev->head = job;
 	dev->tail = job;
+	atomic_fetch_add(&dev->queued, 1);
 	uv_cond_signal(&dev->wake);
 	uv_mutex_unlock(&dev->lock);
 	return NC_OK;
@@ -660,6 +679,8 @@ int backend_cuda_create(const struct config *cfg, struct backend **out)
 		.destroy = cuda_destroy,
 	};
 	cuda->autotune = cfg->autotune;
+	cuda->busy_poll_us = cfg->busy_poll_us;
+	cuda->base.poll_completions = cfg->busy_poll_us > 0;
 	cuda->devices = nc__calloc((size_t)count, sizeof(*cuda->devices));
 	cuda->described = nc__calloc((size_t)count, sizeof(*cuda->described));
 	if (!cuda->devices || !cuda->described) {

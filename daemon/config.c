@@ -56,6 +56,9 @@ static const struct config_entry config_table[] = {
 	STR(allow_uid, "", "uids allowed to connect, comma-separated (empty: any)"),
 	STR(allow_gid, "", "gids allowed to connect, comma-separated (empty: any)"),
 	BOOL(autotune, "false", "time candidate kernel variants on first use"),
+	UINT(busy_poll_us, "200", 0, 100000,
+	     "CUDA: workers spin this long for new jobs, and the loop polls for completions "
+	     "while jobs run, instead of sleeping (0: always sleep)"),
 };
 
 #define CONFIG_ENTRIES (sizeof(config_table) / sizeof(config_table[0]))

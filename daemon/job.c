@@ -374,6 +374,7 @@ void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 	}
 	c->jobs_in_flight++;
 	srv->jobs_in_flight++;
+	server_job_started(srv);
 }
 
 void job_post_completion(struct job *job)

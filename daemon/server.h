@@ -201,6 +201,7 @@ struct backend {
 	Normd__BackendKind kind;
 	const struct backend_device *devices;
 	int device_count;
+	bool poll_completions;       /* the loop polls for completions while jobs run */
 	/*
 	 * Maps the memory a RegisterRegion names (limits and ids are already
 	 * checked). Takes ownership of `fd` (-1 if none). `table` is the
@@ -306,6 +307,7 @@ struct server {
 	uv_signal_t sig_term, sig_int;
 	uv_prepare_t reaper;         /* frees closing clients before each poll */
 	uv_async_t completion_async; /* workers -> loop: completed jobs */
+	uv_idle_t completion_poll;   /* polls the completion queue while jobs run */
 	uv_mutex_t completion_lock;
 	struct job *completed_head, *completed_tail;
 	uv_timer_t drain_timer;
@@ -329,6 +331,8 @@ struct server {
 extern struct server *server_instance;
 
 int server_run(const struct config *cfg, struct backend *backend);
+/* A job was handed to the backend: poll for completions if the backend wants. */
+void server_job_started(struct server *srv);
 /* Counts a reply status in the stats. */
 void server_count_status(struct server *srv, int status);
 /* A device is lost: GoAway(DEVICE_ERROR) to all, drain, exit non-zero. */

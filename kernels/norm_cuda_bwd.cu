@@ -4,15 +4,22 @@
  * With g = dy * gamma and xh = x_hat, one pass over a row computes
  *   LN:  dx = rstd * (g - mean(g) - xh * mean(g * xh))
  *   RMS: dx = rstd * (g - xh * mean(g * xh))
- * from x (or, memory-efficient, y: xh = (y - beta) * rg with rg = 1 / clamp(gamma)
- * computed once per job by launch_reciprocal_gamma) and dy,
- * both read from device memory once into registers (the next row's loads are
- * issued before this row's reduction). Each thread also sums dy * xh and dy
- * over the rows it sees into fp32 registers; at the end every row group
- * writes them as one partial row to the workspace, and launch_finish()
- * (norm_cuda_generic.cu) sums the partial rows in a fixed order. The grid has
- * min(row groups, units_cap) groups, a rule of the shape and the variant
- * alone, so dgamma/dbeta do not depend on the device or on timing.
+ * from x (or, memory-efficient, y: xh = (y - beta) * rg, rg = 1 / clamp(gamma)
+ * computed once per job by launch_reciprocal_gamma) and dy, both read from
+ * device memory once into registers (the next row's loads are issued before
+ * this row's reduction). After the reduction, xh and g are recomputed from
+ * the registers rather than kept (launder()), which keeps the kernel within
+ * 128 registers. Each thread also sums dy * xh and dy over the rows it sees
+ * in fp32 registers; at the end every row group writes them as one partial
+ * row to the workspace, and launch_finish() (norm_cuda_generic.cu) sums the
+ * partial rows in a fixed order. The grid has min(row groups, units_cap)
+ * groups, a rule of the shape and the variant alone, so dgamma/dbeta do not
+ * depend on the device or on timing.
+ *
+ * Rows wider than a block either run on a cluster of K blocks (sm_90), the
+ * row sums exchanged through distributed shared memory, or split
+ * (F_PRESUMS): bwd_row_sums computes sum(g) and sum(g * xh) of every row
+ * first, and K independent blocks then each own a column slice.
  *
  * Built by `make` (nvcc -O3, sm_80 and sm_90 machine code plus compute_90
  * PTX); instantiated for the five (x, weight) dtype pairs and NV in
@@ -21,8 +28,10 @@
  */
 #include "kernels/norm_cuda_internal.cuh"
 
-namespace nkc {
-namespace {
+namespace nkc
+{
+namespace
+{
 
 /* Loads the NV vectors of x (or y) and dy of one row; missing ones are zero. */
 template <typename T, int NV>
@@ -124,10 +133,10 @@ __device__ __forceinline__ void write_partials(const Params &p, int64_t prow, co
 			const float *b = ab + j * VEC + 4 * c;
 			if (p.f & F_DGAMMA)
 				reinterpret_cast<float4 *>(pg + vi[j] * VEC)[c] =
-					make_float4(a[0], a[1], a[2], a[3]);
+				    make_float4(a[0], a[1], a[2], a[3]);
 			if (p.f & F_DBETA)
 				reinterpret_cast<float4 *>(pb + vi[j] * VEC)[c] =
-					make_float4(b[0], b[1], b[2], b[3]);
+				    make_float4(b[0], b[1], b[2], b[3]);
 		}
 	}
 }
@@ -142,7 +151,8 @@ __device__ __forceinline__ void write_partials(const Params &p, int64_t prow, co
 #define BWD_LAUNCH_BOUNDS __launch_bounds__(MAX_THREADS, 1)
 #endif
 
-template <typename T, typename W, int NV> __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
+template <typename T, typename W, int NV>
+__global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	constexpr int E = NV * VEC;
@@ -307,8 +317,8 @@ int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaS
 
 } /* namespace */
 
-int launch_bwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev,
-		     const Shape &s, float *part, const float *rg, float *sums, cudaStream_t stream)
+int launch_bwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
+		     float *part, const float *rg, float *sums, cudaStream_t stream)
 {
 	Params p = params_of(a);
 	p.rg = rg;

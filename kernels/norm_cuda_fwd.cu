@@ -3,11 +3,12 @@
  *
  * A group of G threads owns a row; thread t of the group holds vectors
  * (j * K + rank) * G + t, j < NV, of the row in registers (16-byte loads that
- * bypass L1 as streaming data), so x is read from device memory exactly once.
+ * do not allocate in L1), so x is read from device memory exactly once.
  * LayerNorm statistics are those of two passes over the registers (mean,
- * then squared deviations; row_stats); RMSNorm reduces the sum of squares. While a row is reduced, the next row
- * the group owns is already being loaded. The grid is persistent: as many
- * blocks as are resident on the device, striding over row groups.
+ * then squared deviations; row_stats); RMSNorm reduces the sum of squares.
+ * While a row is reduced, the next row the group owns is already being
+ * loaded. The grid is persistent: as many blocks as are resident on the
+ * device, striding over row groups.
  *
  * Built by `make` (nvcc -O3, sm_80 and sm_90 machine code plus compute_90
  * PTX); instantiated for the five (x, weight) dtype pairs and NV in
@@ -16,8 +17,10 @@
  */
 #include "kernels/norm_cuda_internal.cuh"
 
-namespace nkc {
-namespace {
+namespace nkc
+{
+namespace
+{
 
 /* Loads the NV vectors of one row a thread owns; missing ones are zero. */
 template <typename T, int NV>
@@ -194,8 +197,8 @@ int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaS
 
 } /* namespace */
 
-int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev,
-		     const Shape &s, cudaStream_t stream)
+int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
+		     cudaStream_t stream)
 {
 	Params p = params_of(a);
 	p.G = s.G;

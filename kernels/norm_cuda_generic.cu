@@ -20,8 +20,10 @@
  */
 #include "kernels/norm_cuda_internal.cuh"
 
-namespace nkc {
-namespace {
+namespace nkc
+{
+namespace
+{
 
 constexpr int GENERIC_THREADS = 256;
 
@@ -127,7 +129,8 @@ __global__ void __launch_bounds__(GENERIC_THREADS) bwd_generic(const Params p)
 }
 
 /* Partial dgamma/dbeta of 32 columns over one chunk of rows (block 32 x 8). */
-template <typename T, typename W> __global__ void __launch_bounds__(256) dgamma_generic(const Params p)
+template <typename T, typename W>
+__global__ void __launch_bounds__(256) dgamma_generic(const Params p)
 {
 	__shared__ float acc[2][8][33];
 	const int64_t col = (int64_t)blockIdx.x * 32 + threadIdx.x;
@@ -154,16 +157,17 @@ template <typename T, typename W> __global__ void __launch_bounds__(256) dgamma_
 	if (!(p.f & need))
 		return;
 	float(*a)[33] = acc[w];
-	float sum = ((a[0][threadIdx.x] + a[1][threadIdx.x]) + (a[2][threadIdx.x] + a[3][threadIdx.x])) +
-		    ((a[4][threadIdx.x] + a[5][threadIdx.x]) + (a[6][threadIdx.x] + a[7][threadIdx.x]));
+	float sum =
+	    ((a[0][threadIdx.x] + a[1][threadIdx.x]) + (a[2][threadIdx.x] + a[3][threadIdx.x])) +
+	    ((a[4][threadIdx.x] + a[5][threadIdx.x]) + (a[6][threadIdx.x] + a[7][threadIdx.x]));
 	p.part[((int64_t)w * p.part_rows + blockIdx.y) * p.cols + col] = sum;
 }
 
 /* Sums the partial rows of dgamma (blockIdx.y 0) or dbeta (1) into `out`. */
 template <typename W>
-__global__ void __launch_bounds__(256) reduce_partials(const float *part, int64_t part_rows,
-						       int64_t cols, W *dgamma, W *dbeta,
-						       bool accumulate)
+__global__ void __launch_bounds__(256)
+    reduce_partials(const float *part, int64_t part_rows, int64_t cols, W *dgamma, W *dbeta,
+		    bool accumulate)
 {
 	__shared__ float acc[8][33];
 	const int64_t col = (int64_t)blockIdx.x * 32 + threadIdx.x;
@@ -186,8 +190,9 @@ __global__ void __launch_bounds__(256) reduce_partials(const float *part, int64_
 	if (threadIdx.y != 0 || col >= cols)
 		return;
 	float(*a)[33] = acc;
-	float sum = ((a[0][threadIdx.x] + a[1][threadIdx.x]) + (a[2][threadIdx.x] + a[3][threadIdx.x])) +
-		    ((a[4][threadIdx.x] + a[5][threadIdx.x]) + (a[6][threadIdx.x] + a[7][threadIdx.x]));
+	float sum =
+	    ((a[0][threadIdx.x] + a[1][threadIdx.x]) + (a[2][threadIdx.x] + a[3][threadIdx.x])) +
+	    ((a[4][threadIdx.x] + a[5][threadIdx.x]) + (a[6][threadIdx.x] + a[7][threadIdx.x]));
 	if (accumulate)
 		sum = to_f(out[col]) + sum;
 	out[col] = from_f<W>(sum);
@@ -195,8 +200,8 @@ __global__ void __launch_bounds__(256) reduce_partials(const float *part, int64_
 
 /* rg[c] = 1 / clamp(gamma[c]) (gamma absent: ones), IEEE division. */
 template <typename W>
-__global__ void __launch_bounds__(256) reciprocal_gamma(const W *gamma, int64_t cols, float eps,
-							float *rg)
+__global__ void __launch_bounds__(256)
+    reciprocal_gamma(const W *gamma, int64_t cols, float eps, float *rg)
 {
 	const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
 	if (c < cols)
@@ -205,8 +210,8 @@ __global__ void __launch_bounds__(256) reciprocal_gamma(const W *gamma, int64_t 
 
 /* Counts |gamma| < eps (gamma absent counts as ones) into *out; one block. */
 template <typename W>
-__global__ void __launch_bounds__(256) count_clamped(const W *gamma, int64_t cols, float eps,
-						     bool memeff, uint32_t *out)
+__global__ void __launch_bounds__(256)
+    count_clamped(const W *gamma, int64_t cols, float eps, bool memeff, uint32_t *out)
 {
 	__shared__ unsigned warp_counts[8];
 	unsigned n = 0;
@@ -304,7 +309,7 @@ int launch_reciprocal_gamma(const struct nk_norm_args *a, float *rg, cudaStream_
 		break;
 	case NK_BF16:
 		reciprocal_gamma<<<blocks, 256, 0, stream>>>(
-			static_cast<const __nv_bfloat16 *>(a->gamma), a->cols, a->eps, rg);
+		    static_cast<const __nv_bfloat16 *>(a->gamma), a->cols, a->eps, rg);
 		break;
 	}
 	return check_launch("reciprocal_gamma launch");
@@ -320,8 +325,8 @@ int launch_finish(const struct nk_norm_args *a, const float *part, int64_t part_
 		if (a->dgamma || a->dbeta) {
 			dim3 grid((unsigned)((a->cols + 31) / 32), 2);
 			reduce_partials<W><<<grid, dim3(32, 8), 0, stream>>>(
-				part, part_rows, a->cols, static_cast<W *>(a->dgamma),
-				static_cast<W *>(a->dbeta), accumulate);
+			    part, part_rows, a->cols, static_cast<W *>(a->dgamma),
+			    static_cast<W *>(a->dbeta), accumulate);
 			if (check_launch("reduce_partials launch") != NK_OK)
 				return NK_EDEVICE;
 		}

@@ -27,11 +27,12 @@
 
 #include "kernels/norm_kernels.h"
 
-namespace nkc {
+namespace nkc
+{
 
 /* Bits of Params::f. */
 enum : unsigned {
-	F_LN = 1u << 0,     /* LayerNorm (else RMSNorm) */
+	F_LN = 1u << 0,	    /* LayerNorm (else RMSNorm) */
 	F_MEMEFF = 1u << 1, /* backward reads y and recomputes x_hat */
 	F_GAMMA = 1u << 2,
 	F_BETA = 1u << 3,
@@ -51,20 +52,20 @@ struct Params {
 	const void *beta;
 	const void *dy;
 	void *dx;
-	float *part;       /* [2][part_rows][cols] dgamma, then dbeta partials */
+	float *part;	   /* [2][part_rows][cols] dgamma, then dbeta partials */
 	const float *rg;   /* memory-efficient: [cols] 1 / clamp(gamma) */
-	float *sums;       /* split backward: [rows][2] sum(g), sum(g * xh) */
+	float *sums;	   /* split backward: [rows][2] sum(g), sum(g * xh) */
 	int64_t part_rows; /* partial rows of each weight gradient */
 	int64_t rows;
 	int64_t cols;
-	int64_t iters;    /* ceil(rows / R): row groups, computed on the host */
+	int64_t iters;	  /* ceil(rows / R): row groups, computed on the host */
 	int64_t part_per; /* generic dgamma: rows per partial chunk */
 	float eps;
 	float inv_cols; /* 1 / cols, rounded once from double */
 	unsigned f;
-	int G;    /* threads per row (per block of a cluster) */
-	int K;    /* blocks sharing a row: a cluster, or (F_PRESUMS) column slices */
-	int R;    /* rows a block holds at a time */
+	int G;	  /* threads per row (per block of a cluster) */
+	int K;	  /* blocks sharing a row: a cluster, or (F_PRESUMS) column slices */
+	int R;	  /* rows a block holds at a time */
 	int nvec; /* 16-byte vectors per row (tiled family) */
 };
 
@@ -75,7 +76,7 @@ struct Shape {
 	int R;
 	int G;
 	int NV;
-	int K;         /* blocks sharing a row */
+	int K;	       /* blocks sharing a row */
 	bool split;    /* backward: K column slices after a row-sums kernel, no cluster */
 	int units_cap; /* backward: most row groups (clusters) in the grid */
 };
@@ -98,10 +99,10 @@ int set_error(cudaError_t err, const char *where);
 int check_launch(const char *where);
 
 /* Launchers (norm_cuda_fwd.cu, norm_cuda_bwd.cu, norm_cuda_generic.cu). */
-int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev,
-		     const Shape &s, cudaStream_t stream);
-int launch_bwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev,
-		     const Shape &s, float *part, const float *rg, float *sums, cudaStream_t stream);
+int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
+		     cudaStream_t stream);
+int launch_bwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
+		     float *part, const float *rg, float *sums, cudaStream_t stream);
 int launch_fwd_generic(const struct nk_norm_args *a, const struct nk_device_info *dev,
 		       const Shape &s, cudaStream_t stream);
 int launch_bwd_generic(const struct nk_norm_args *a, const struct nk_device_info *dev,
@@ -181,8 +182,8 @@ __device__ __forceinline__ uint4 load_stream(const uint4 *p)
 {
 	uint4 u;
 	asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-		     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
-		     : "l"(p));
+	    : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+	    : "l"(p));
 	return u;
 }
 
@@ -311,7 +312,8 @@ __device__ __forceinline__ int lanes_for(int n)
 /*
  * The cluster level of group_reduce: every block publishes its value, and
  * lane r of every warp fetches block r's, then a butterfly merges them in
- * rank order and lane 0 hands the result to the whole warp. sm_90 only; the launchers never ask for K > 1 elsewhere.
+ * rank order and lane 0 hands the result to the whole warp. sm_90 only; the launchers never ask for
+ * K > 1 elsewhere.
  */
 template <class Op>
 __device__ __forceinline__ void cluster_reduce(float *v, int K, RedSmem &sm, int parity)

@@ -27,7 +27,8 @@
 
 #include "kernels/norm_cuda_internal.cuh"
 
-namespace nkc {
+namespace nkc
+{
 
 /* Multiprocessors of the reference device the backward grid caps assume. */
 constexpr int REF_SMS = 132;
@@ -361,8 +362,7 @@ int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_dev
 	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
 		return NK_EINVAL;
 	int nv = max_nv(args);
-	if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) ||
-	    shape_of(out).K > 1) {
+	if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) || shape_of(out).K > 1) {
 		/*
 		 * Backward rows wider than a block run split: clusters lose to it
 		 * from 4 blocks on, and at 2 blocks lose the memory-efficient
@@ -375,8 +375,8 @@ int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_dev
 	return NK_OK;
 }
 
-int nk_cuda_variant_candidates(const struct nk_norm_args *args,
-			       const struct nk_device_info *dev, struct nk_variant *out, int max)
+int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_device_info *dev,
+			       struct nk_variant *out, int max)
 {
 	struct nk_variant v;
 	int n = 0;
@@ -469,8 +469,8 @@ int nk_cuda_norm(const struct nk_norm_args *args, const struct nk_device_info *d
 	}
 	struct nk_variant v = resolve(args, dev, variant);
 	size_t need = workspace_of(args, &v);
-	if (need > 0 && (exec->workspace_bytes < need || !exec->workspace ||
-			 !aligned16(exec->workspace))) {
+	if (need > 0 &&
+	    (exec->workspace_bytes < need || !exec->workspace || !aligned16(exec->workspace))) {
 		set_message("workspace missing, too small or not 16-byte aligned");
 		return NK_EINVAL;
 	}

@@ -30,7 +30,7 @@
 #include "kernels/norm_kernels.h"
 
 #define EPS 1e-5f
-#define GUARD 64          /* poisoned elements behind every output */
+#define GUARD 64	  /* poisoned elements behind every output */
 #define MAX_CANDIDATES 16 /* variants validated per case */
 
 static int passed, failed;
@@ -97,33 +97,33 @@ struct tcase {
 	unsigned flags;
 	int64_t rows, cols;
 	bool gamma, beta;   /* weights present */
-	bool stats;         /* forward: write mean (LN) and rstd */
+	bool stats;	    /* forward: write mean (LN) and rstd */
 	bool dgamma, dbeta; /* backward: weight gradients wanted */
-	int offset;         /* elements every pointer is moved by */
+	int offset;	    /* elements every pointer is moved by */
 	int64_t nan_row;    /* row with one NaN in x, or -1 */
 };
 
 /* A tensor on both sides: host inputs/reference, device copy, elements. */
 struct tensor {
 	enum nk_dtype dt;
-	int64_t n;      /* elements, 0 if absent */
-	void *host;     /* inputs, or reference outputs */
-	void *base;     /* device allocation */
-	void *dev;      /* base + offset elements */
-	void *got;      /* device output copied back (n + GUARD elements) */
-	void *init;     /* accumulated outputs: their value before the job */
+	int64_t n;  /* elements, 0 if absent */
+	void *host; /* inputs, or reference outputs */
+	void *base; /* device allocation */
+	void *dev;  /* base + offset elements */
+	void *got;  /* device output copied back (n + GUARD elements) */
+	void *init; /* accumulated outputs: their value before the job */
 };
 
 enum { T_X, T_Y, T_MEAN, T_RSTD, T_GAMMA, T_BETA, T_DY, T_DX, T_DGAMMA, T_DBETA, T_COUNT };
-static const char *const tensor_names[T_COUNT] = {"x",  "y",  "mean", "rstd",   "gamma",
-						  "beta", "dy", "dx",   "dgamma", "dbeta"};
+static const char *const tensor_names[T_COUNT] = {"x",	  "y",	"mean", "rstd",	  "gamma",
+						  "beta", "dy", "dx",	"dgamma", "dbeta"};
 
 struct job {
 	struct tcase c;
 	struct tensor t[T_COUNT];
 	bool output[T_COUNT];
-	struct nk_norm_args args;     /* host pointers, for the reference */
-	struct nk_norm_args dargs;    /* device pointers */
+	struct nk_norm_args args;  /* host pointers, for the reference */
+	struct nk_norm_args dargs; /* device pointers */
 	uint32_t ref_clamped;
 };
 
@@ -404,9 +404,9 @@ static void describe(const struct tcase *c, const struct nk_variant *v, char *bu
 	char vn[96];
 	nk_variant_name(v, vn, sizeof(vn));
 	snprintf(buf, len, "%s %s/%s rows=%lld cols=%lld flags=%u g=%d b=%d dg=%d db=%d off=%d %s",
-		 nk_op_name(c->op), nk_dtype_name(c->dt), nk_dtype_name(c->wt),
-		 (long long)c->rows, (long long)c->cols, c->flags, c->gamma, c->beta,
-		 c->dgamma, c->dbeta, c->offset, vn);
+		 nk_op_name(c->op), nk_dtype_name(c->dt), nk_dtype_name(c->wt), (long long)c->rows,
+		 (long long)c->cols, c->flags, c->gamma, c->beta, c->dgamma, c->dbeta, c->offset,
+		 vn);
 }
 
 /* Runs the job on the GPU with `v` and copies every output back. */
@@ -536,7 +536,7 @@ struct pair {
 	enum nk_dtype dt, wt;
 };
 static const struct pair pairs[] = {
-	{NK_F32, NK_F32}, {NK_F16, NK_F16}, {NK_F16, NK_F32}, {NK_BF16, NK_BF16}, {NK_BF16, NK_F32},
+    {NK_F32, NK_F32}, {NK_F16, NK_F16}, {NK_F16, NK_F32}, {NK_BF16, NK_BF16}, {NK_BF16, NK_F32},
 };
 
 /* Flag and weight combinations of one op. */
@@ -545,29 +545,29 @@ struct combo {
 	bool gamma, beta, stats, dgamma, dbeta;
 };
 static const struct combo ln_fwd[] = {
-	{0, false, false, true, false, false},
-	{0, true, false, true, false, false},
-	{0, true, true, true, false, false},
-	{0, true, true, false, false, false},
+    {0, false, false, true, false, false},
+    {0, true, false, true, false, false},
+    {0, true, true, true, false, false},
+    {0, true, true, false, false, false},
 };
 static const struct combo rms_fwd[] = {
-	{0, false, false, true, false, false},
-	{0, true, false, true, false, false},
+    {0, false, false, true, false, false},
+    {0, true, false, true, false, false},
 };
 static const struct combo ln_bwd[] = {
-	{0, true, true, false, true, true},
-	{0, false, false, false, false, false},
-	{0, true, false, false, true, false},
-	{NK_MEMORY_EFFICIENT, true, true, false, true, true},
-	{NK_MEMORY_EFFICIENT, false, false, false, false, false},
-	{NK_ACCUMULATE, true, true, false, true, true},
-	{NK_MEMORY_EFFICIENT | NK_ACCUMULATE, true, false, false, true, true},
+    {0, true, true, false, true, true},
+    {0, false, false, false, false, false},
+    {0, true, false, false, true, false},
+    {NK_MEMORY_EFFICIENT, true, true, false, true, true},
+    {NK_MEMORY_EFFICIENT, false, false, false, false, false},
+    {NK_ACCUMULATE, true, true, false, true, true},
+    {NK_MEMORY_EFFICIENT | NK_ACCUMULATE, true, false, false, true, true},
 };
 static const struct combo rms_bwd[] = {
-	{0, true, false, false, true, false},
-	{0, false, false, false, false, false},
-	{NK_MEMORY_EFFICIENT, true, false, false, true, false},
-	{NK_ACCUMULATE, true, false, false, true, false},
+    {0, true, false, false, true, false},
+    {0, false, false, false, false, false},
+    {NK_MEMORY_EFFICIENT, true, false, false, true, false},
+    {NK_ACCUMULATE, true, false, false, true, false},
 };
 
 static void run_op(enum nk_op op, const struct combo *cb, int ncb, int64_t rows, int64_t cols,
@@ -575,9 +575,10 @@ static void run_op(enum nk_op op, const struct combo *cb, int ncb, int64_t rows,
 {
 	for (size_t p = 0; p < sizeof(pairs) / sizeof(pairs[0]); p++) {
 		for (int k = 0; k < ncb; k++) {
-			struct tcase c = {op,        pairs[p].dt,  pairs[p].wt,  cb[k].flags,
-					  rows,      cols,         cb[k].gamma,  cb[k].beta,
-					  cb[k].stats, cb[k].dgamma, cb[k].dbeta, offset, -1};
+			struct tcase c = {op,	       pairs[p].dt,  pairs[p].wt, cb[k].flags,
+					  rows,	       cols,	     cb[k].gamma, cb[k].beta,
+					  cb[k].stats, cb[k].dgamma, cb[k].dbeta, offset,
+					  -1};
 			run_case(&c);
 		}
 	}
@@ -600,8 +601,8 @@ static void run_nan_cases(void)
 	for (int o = 0; o < 4; o++) {
 		for (int k = 0; k < 3; k++) {
 			bool ln = is_ln(ops[o]);
-			struct tcase c = {ops[o], NK_BF16, NK_BF16, 0, 9, cols[k], true, ln,
-					  true,   false,   false,   0, 4};
+			struct tcase c = {ops[o], NK_BF16, NK_BF16, 0,	   9, cols[k], true,
+					  ln,	  true,	   false,   false, 0, 4};
 			run_case(&c);
 		}
 	}
@@ -610,8 +611,8 @@ static void run_nan_cases(void)
 /* A variant that fits nothing falls back to one that does. */
 static void run_fallback_case(void)
 {
-	struct tcase c = {NK_LAYERNORM_FWD, NK_BF16, NK_BF16, 0, 33, 1000, true, true, true,
-			  false, false, 1, -1};
+	struct tcase c = {
+	    NK_LAYERNORM_FWD, NK_BF16, NK_BF16, 0, 33, 1000, true, true, true, false, false, 1, -1};
 	struct nk_variant bogus = {99, 7, 3, 5, 0, 0}, ran;
 	struct job j;
 
@@ -650,8 +651,8 @@ static void device_setup(void)
 	dev.max_smem_per_block_optin = prop.sharedMemPerBlockOptin;
 	dev.cc_major = prop.major;
 	dev.cc_minor = prop.minor;
-	printf("device %d: %s, %d SMs, cc %d.%d\n", ordinal, prop.name, dev.sm_count,
-	       dev.cc_major, dev.cc_minor);
+	printf("device %d: %s, %d SMs, cc %d.%d\n", ordinal, prop.name, dev.sm_count, dev.cc_major,
+	       dev.cc_minor);
 	workspace_size = (size_t)256 << 20;
 	cuda_ok(cudaMalloc(&workspace, workspace_size), "cudaMalloc workspace");
 	cuda_ok(cudaMalloc((void **)&clamped_dev, sizeof(uint32_t)), "cudaMalloc clamped");
@@ -659,7 +660,8 @@ static void device_setup(void)
 
 int main(void)
 {
-	const int64_t cols[] = {1, 7, 32, 33, 127, 1000, 4096, 8192, 12288, 32768, 65536, 70000, 70001};
+	const int64_t cols[] = {1,    7,     32,    33,	   127,	  1000, 4096,
+				8192, 12288, 32768, 65536, 70000, 70001};
 	const char *q = getenv("NORM_GPU_TEST_QUICK");
 	bool quick = q && *q && strcmp(q, "0") != 0;
 	int64_t budget = quick ? 1 << 15 : 1 << 17;
