@@ -200,20 +200,24 @@ static void server_on_listen(uv_poll_t *handle, int status, int events)
 /* ---- the loop's housekeeping ------------------------------------------------------- */
 
 /*
- * While jobs run on a backend that asks for it, the loop does not sleep:
- * each iteration drains the completion queue, so a finished job is answered
- * without waiting for the async wake-up (tens of microseconds on a VM).
+ * While jobs run on a backend that asks for it, and for busy_poll_us after
+ * the last one started, the loop does not sleep: each iteration drains the
+ * completion queue and polls the sockets without blocking, so a finished job
+ * is answered, and a client's next request read, without a wake-up (tens of
+ * microseconds on a VM). Costs one core while the daemon is busy.
  */
 static void server_poll_completions(uv_idle_t *handle)
 {
 	struct server *srv = handle->data;
 	job_drain_completions(&srv->completion_async);
-	if (srv->jobs_in_flight == 0)
+	uint64_t linger_ns = srv->cfg->busy_poll_us * 1000;
+	if (srv->jobs_in_flight == 0 && server_now_ns() - srv->last_job_ns > linger_ns)
 		uv_idle_stop(handle);
 }
 
 void server_job_started(struct server *srv)
 {
+	srv->last_job_ns = server_now_ns();
 	if (srv->backend->poll_completions && !uv_is_active((uv_handle_t *)&srv->completion_poll))
 		uv_idle_start(&srv->completion_poll, server_poll_completions);
 }

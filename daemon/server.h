@@ -308,6 +308,7 @@ struct server {
 	uv_prepare_t reaper;         /* frees closing clients before each poll */
 	uv_async_t completion_async; /* workers -> loop: completed jobs */
 	uv_idle_t completion_poll;   /* polls the completion queue while jobs run */
+	uint64_t last_job_ns;        /* when the latest job was handed to the backend */
 	uv_mutex_t completion_lock;
 	struct job *completed_head, *completed_tail;
 	uv_timer_t drain_timer;
