@@ -579,7 +579,15 @@ static int device_init(struct backend_cuda *cuda, struct cuda_device *dev,
 	struct cudaDeviceProp prop;
 	dev->backend = cuda;
 	dev->ordinal = ordinal;
-	if (cudaSetDevice(ordinal) != cudaSuccess || cudaFree(NULL) != cudaSuccess ||
+	/*
+	 * Workers wait for their stream by spinning, not by yielding or
+	 * blocking: a tiny job's answer then leaves within a microsecond of the
+	 * kernel's end. The flag must be set before the context exists.
+	 */
+	if (cudaSetDevice(ordinal) != cudaSuccess ||
+	    cudaSetDeviceFlags(cfg->busy_poll_us ? cudaDeviceScheduleSpin
+						 : cudaDeviceScheduleBlockingSync) != cudaSuccess ||
+	    cudaFree(NULL) != cudaSuccess ||
 	    cudaGetDeviceProperties(&prop, ordinal) != cudaSuccess) {
 		log_error("event=device_init_failed device=%d error=\"%s\"", ordinal,
 			  cudaGetErrorString(cudaGetLastError()));

@@ -40,6 +40,7 @@
  * CUDA backend; on the CPU backend only --mode sync runs. The kit_*()
  * functions are the one place that knows where a kit's memory lives.
  */
+#include <cuda_runtime_api.h>
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
@@ -104,6 +105,8 @@ struct stress_opts {
 	const char *json_path;   /* NULL: no JSON */
 	int timeout_ms;          /* longest wait for one reply */
 	unsigned kit_reuse;      /* jobs per kit before it is replaced; 0: never */
+	bool on_device;          /* CUDA backend: kits live in cudaMalloc memory */
+	int device;              /* ... on this GPU (the daemon's first) */
 };
 
 struct name_value {
@@ -515,12 +518,12 @@ static void slot_latency(struct slot *s, uint64_t ns)
 /* ---- kits: a job's memory, where it lives, and its check ------------------------------ */
 
 /*
- * On the CPU backend a kit is a jobkit: one host memfd region holding every
- * tensor. The worker only calls kit_*(), so device kits slot in here: jobkit
- * already makes them (spec.on_device: cudaMalloc memory registered with
- * nc_region_register_device, inputs uploaded from a host staging copy,
- * outputs downloaded by jobkit_check); kit_rearm() will then have to upload
- * what it resets, and --mode picks how a job is ordered with the GPU work.
+ * A kit is a jobkit. On the CPU backend that is one host memfd region
+ * holding every tensor; on the CUDA backend one cudaMalloc allocation
+ * registered through CUDA IPC, with inputs uploaded from a host staging copy
+ * and outputs downloaded by jobkit_check(), and kit_rearm() uploading what it
+ * resets. Jobs are ordered with the GPU synchronously (the data is uploaded
+ * with a synchronous copy before the job is submitted).
  */
 struct kit {
 	struct jobkit jk;
@@ -560,6 +563,8 @@ static void kit_random_spec(const struct stress_opts *o, uint64_t *rng, struct j
 	s->memory_efficient = rng_next(rng) & 1;
 	s->accumulate = rng_below(rng, 4) == 0;
 	s->seed = rng_next(rng);
+	s->on_device = o->on_device;
+	s->device = o->device;
 	if (s->op == NC_WGRAD_ACCUM) {
 		/* The GEMM costs rows*cols*out: keep it to a few million multiply-adds. */
 		s->cols = s->cols > 512 ? 1 + s->cols % 512 : s->cols;
@@ -605,6 +610,14 @@ static void kit_rearm(struct kit *k, bool verify)
 			memcpy(jk->ptr[role], jk->initial[role], jk->bytes[role]);
 		else if (verify)
 			memset(jk->ptr[role], 0xff, jk->bytes[role]);
+		else
+			continue;
+		/* Device kits: the staging copy was reset; the device copy must be too. */
+		if (jk->spec.on_device) {
+			size_t offset = (size_t)((char *)jk->ptr[role] - (char *)jk->staging);
+			cudaMemcpy((char *)jk->device_base + offset, jk->ptr[role], jk->bytes[role],
+				   cudaMemcpyHostToDevice);
+		}
 	}
 }
 
@@ -1417,11 +1430,9 @@ static int preflight(struct stress *st)
 		fprintf(stderr, "normstress: --mode event is not supported on the cpu backend "
 				"(it orders jobs with CUDA IPC events); use --mode sync\n");
 		status = 2;
-	} else if (strcmp(info->backend, "cpu") != 0) {
-		fprintf(stderr,
-			"normstress: the %s backend needs CUDA IPC regions, which normstress "
-			"does not create yet (it has host memfd regions for the cpu backend)\n",
-			info->backend);
+	} else if (o->mode == MODE_EVENT) {
+		fprintf(stderr, "normstress: --mode event is not implemented yet (libnormclient "
+				"has only the synchronous mode); use --mode sync\n");
 		status = 2;
 	} else if (info->max_jobs_in_flight && o->inflight > info->max_jobs_in_flight) {
 		fprintf(stderr,
@@ -1429,6 +1440,9 @@ static int preflight(struct stress *st)
 			o->inflight, info->max_jobs_in_flight);
 		status = 2;
 	}
+	/* On the CUDA backend, kits are device memory on the daemon's first GPU. */
+	st->opt.on_device = strcmp(info->backend, "cuda") == 0;
+	st->opt.device = info->device_index[0];
 	if (status == 0)
 		st->have_before = nc_stats_get(conn, 10000, &st->before) == 0;
 	nc_close(conn);
