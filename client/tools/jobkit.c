@@ -353,8 +353,10 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 		jobkit_destroy(kit);
 		return NC_ENOMEM;
 	}
+	/* Synchronized: a pageable copy may return before its DMA lands. */
 	if (spec->on_device &&
-	    cudaMemcpy(kit->device_base, kit->staging, total, cudaMemcpyHostToDevice) != cudaSuccess) {
+	    (cudaMemcpy(kit->device_base, kit->staging, total, cudaMemcpyHostToDevice) != cudaSuccess ||
+	     cudaDeviceSynchronize() != cudaSuccess)) {
 		jobkit_destroy(kit);
 		return NC_EINTERNAL;
 	}
@@ -394,6 +396,45 @@ static double dx_term_norm2(const struct jobkit *kit)
 	return sum;
 }
 
+/* x_hat of element (r, c), as the backward recomputes it. */
+static double jobkit_x_hat(const struct jobkit *kit, uint64_t r, uint64_t c)
+{
+	const struct jobkit_spec *s = &kit->spec;
+	double in = nk_load(role_dtype(s, JK_X), kit->ptr[JK_X], r * s->cols + c);
+	if (s->memory_efficient) {
+		double g = kit->ptr[JK_GAMMA] ? nk_load(role_dtype(s, JK_GAMMA), kit->ptr[JK_GAMMA], c)
+					      : 1.0;
+		double b = kit->ptr[JK_BETA] ? nk_load(role_dtype(s, JK_BETA), kit->ptr[JK_BETA], c)
+					     : 0.0;
+		double eps = kit->job.eps;
+		if (kit->ptr[JK_GAMMA] && fabs(g) < eps)
+			g = g < 0 ? -eps : eps;
+		return (in - b) / g;
+	}
+	double mean = kit->ptr[JK_MEAN] ? nk_load(NK_F32, kit->ptr[JK_MEAN], r) : 0.0;
+	return (in - mean) * nk_load(NK_F32, kit->ptr[JK_RSTD], r);
+}
+
+/*
+ * The squared norm, over columns, of the sums of |terms| that dgamma (dy *
+ * x_hat) or dbeta (dy) add up over rows: the size the sums would have
+ * without cancellation, against which their rounding is judged.
+ */
+static double dweight_term_norm2(const struct jobkit *kit, int role)
+{
+	const struct jobkit_spec *s = &kit->spec;
+	double sum = 0;
+	for (uint64_t c = 0; c < s->cols; c++) {
+		double col = 0;
+		for (uint64_t r = 0; r < s->rows; r++) {
+			double dy = nk_load(role_dtype(s, JK_DY), kit->ptr[JK_DY], r * s->cols + c);
+			col += fabs(role == JK_DBETA ? dy : dy * jobkit_x_hat(kit, r, c));
+		}
+		sum += col * col;
+	}
+	return sum;
+}
+
 /* Compares one output; updates the report. */
 static void compare_output(const struct jobkit *kit, int role, const void *ref,
 			   struct jobkit_report *report)
@@ -429,7 +470,9 @@ static void compare_output(const struct jobkit *kit, int role, const void *ref,
 	 * a correct fp32 result is then judged against the size of those terms.
 	 * Other outputs are of order one, and are judged against themselves.
 	 */
-	double scale2 = role == JK_DX ? dx_term_norm2(kit) : 0;
+	double scale2 = role == JK_DX ? dx_term_norm2(kit)
+			: role == JK_DGAMMA || role == JK_DBETA ? dweight_term_norm2(kit, role)
+								 : 0;
 	bool within = rel_l2 < tolerance || (scale2 > ref2 && sqrt(err2 / scale2) < tolerance);
 	report->max_abs_err = fmax(report->max_abs_err, max_abs);
 	report->max_rel_err = fmax(report->max_rel_err, rel_max);

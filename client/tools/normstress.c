@@ -619,6 +619,12 @@ static void kit_rearm(struct kit *k, bool verify)
 				   cudaMemcpyHostToDevice);
 		}
 	}
+	/*
+	 * A copy from pageable memory may return before its DMA lands; the
+	 * daemon's kernel must not run first (its outputs would be overwritten).
+	 */
+	if (jk->spec.on_device)
+		cudaDeviceSynchronize();
 }
 
 static bool kit_check(const struct kit *k, struct jobkit_report *report)
