@@ -32,7 +32,7 @@
 #include "kernels/cuda_driver.h"
 #include "proto/frame.h"
 
-#define CUDA_WORKERS_PER_DEVICE 4
+#define CUDA_MAX_WORKERS 64
 #define CUDA_MAX_DEVICES 64
 #define AUTOTUNE_CANDIDATES 16
 #define AUTOTUNE_REPS 5
@@ -63,7 +63,8 @@ struct cuda_device {
 	struct job *head, *tail;
 	atomic_uint queued;        /* jobs in the queue, for spinning workers to watch */
 	bool stopping;
-	struct cuda_worker workers[CUDA_WORKERS_PER_DEVICE];
+	struct cuda_worker workers[CUDA_MAX_WORKERS];
+	int workers_wanted;        /* config: cuda_workers */
 	int worker_count;
 };
 
@@ -530,7 +531,7 @@ static void device_stop(struct cuda_device *dev)
 	for (int i = 0; i < dev->worker_count; i++)
 		uv_thread_join(&dev->workers[i].thread);
 	cudaSetDevice(dev->ordinal);
-	for (int i = 0; i < CUDA_WORKERS_PER_DEVICE; i++) {
+	for (int i = 0; i < dev->workers_wanted; i++) {
 		struct cuda_worker *w = &dev->workers[i];
 		if (w->stream)
 			cudaStreamDestroy(w->stream);
@@ -614,11 +615,12 @@ static int device_init(struct backend_cuda *cuda, struct cuda_device *dev,
 		return -1;
 	}
 	dev->ready = true;
-	for (int i = 0; i < CUDA_WORKERS_PER_DEVICE; i++) {
+	dev->workers_wanted = (int)cfg->cuda_workers;
+	for (int i = 0; i < dev->workers_wanted; i++) {
 		if (worker_init(&dev->workers[i], dev) != 0)
 			return -1;
 	}
-	for (; dev->worker_count < CUDA_WORKERS_PER_DEVICE; dev->worker_count++) {
+	for (; dev->worker_count < dev->workers_wanted; dev->worker_count++) {
 		struct cuda_worker *w = &dev->workers[dev->worker_count];
 		if (uv_thread_create(&w->thread, worker_main, w) != 0)
 			return -1;

@@ -56,6 +56,7 @@ static const struct config_entry config_table[] = {
 	STR(allow_uid, "", "uids allowed to connect, comma-separated (empty: any)"),
 	STR(allow_gid, "", "gids allowed to connect, comma-separated (empty: any)"),
 	BOOL(autotune, "false", "time candidate kernel variants on first use"),
+	UINT(cuda_workers, "8", 1, 64, "CUDA: worker threads (each with its own stream) per device"),
 	UINT(busy_poll_us, "200", 0, 100000,
 	     "CUDA: workers spin this long for new jobs, and the loop polls for completions "
 	     "while jobs run, instead of sleeping (0: always sleep)"),

@@ -31,6 +31,7 @@ struct config {
 	char *allow_uid;         /* comma-separated uids allowed to connect ("" = any) */
 	char *allow_gid;         /* comma-separated gids allowed to connect ("" = any) */
 	bool autotune;           /* CUDA: time candidate variants on first use */
+	uint64_t cuda_workers;   /* CUDA: worker threads (streams) per device */
 	uint64_t busy_poll_us;   /* CUDA: spin before sleeping (latency for CPU time) */
 	char *config_file;       /* the file that was read (NULL: none); not a setting */
 };
