@@ -50,6 +50,7 @@ NVCC_ARCH := -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=s
 NVCC_FLAGS := -O3 -std=c++17 -I. $(NVCC_ARCH) -Xcompiler -fPIC,-Wall,-Wextra,-Werror \
 	-Xptxas -warn-spills --expt-relaxed-constexpr
 
+.SECONDARY:
 .PHONY: all run test test-unit test-asan test-gpu bench-gpu deps clean install uninstall fuzz
 all: $(B)/bin/normd $(B)/bin/normctl $(B)/bin/normstress $(B)/lib/libnormclient.a \
 	$(B)/lib/libnormclient.so $(B)/lib/pkgconfig/normclient.pc tests
