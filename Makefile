@@ -144,7 +144,7 @@ INTEG_TESTS := $(patsubst tests/integration/%.c,$(B)/tests/integration/%,\
 GPU_TESTS := $(patsubst tests/gpu/%.c,$(B)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
 TEST_SUPPORT_OBJS := $(patsubst %.c,$(B)/obj/%.o,$(wildcard tests/support/*.c))
 TEST_LIBS := $(TEST_SUPPORT_OBJS) $(TOOL_COMMON_OBJS) $(B)/lib/libnormclient.a $(B)/lib/libnormkernels.a \
-	$(B)/lib/libnormproto.a $(STATIC_PB) -lcmocka $(CUDART) $(SYS_LIBS) -lstdc++
+	$(B)/lib/libnormproto.a $(STATIC_PB) $(STATIC_UV) -lcmocka $(CUDART) $(SYS_LIBS) -lstdc++
 
 .PHONY: tests
 tests: $(UNIT_TESTS) $(INTEG_TESTS)
