@@ -3,6 +3,9 @@
 #   make            build everything into build/
 #   make run        build, start normd on a private socket, run `normctl demo`, stop
 #   make test       install missing build dependencies, build, run the whole suite
+#                   (also under ASan/UBSan and valgrind, and 60 s of fuzzing)
+#   make test-asan  the unit and integration tests built with ASan + UBSan
+#   make fuzz       fuzz the frame decoder and request validation (FUZZ_SECONDS=300)
 #   make test-gpu   GPU tests (on a machine with an NVIDIA GPU)
 #   make bench-gpu  GPU benchmarks (on a machine with an NVIDIA GPU)
 #   make install    install under PREFIX (/usr/local) into DESTDIR (README.md)
@@ -173,6 +176,44 @@ $(B)/lib/gpu-host/%:
 	@mkdir -p $(dir $@)
 	cp -L "$$(ldconfig -p | awk '/$* .*x86-64/ {print $$NF; exit}')" $@
 
+# ---- sanitizers and fuzzing ---------------------------------------------------
+# The same sources built again into $(B)/asan (AddressSanitizer + UBSan, gcc)
+# and $(B)/fuzz (libFuzzer + ASan + UBSan, clang) by a recursive make with
+# B and the flags overridden. The CUDA kernel objects (nvcc, which takes no
+# sanitizer) are built once in $(B) and linked into both. gcc's pointer-overflow
+# check makes the CPU kernels ten times slower (minutes of test time) and
+# guards nothing the bounds checks rely on (they compute in integers); the
+# fuzz build, with clang, keeps it.
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize=pointer-overflow \
+	-fno-omit-frame-pointer -fno-sanitize-recover=all
+FUZZ_FLAGS := -fsanitize=fuzzer-no-link,address,undefined -fno-omit-frame-pointer \
+	-fno-sanitize-recover=all
+FUZZ_LDFLAGS := -fsanitize=fuzzer,address,undefined
+ASAN_B := $(B)/asan
+FUZZ_B := $(B)/fuzz
+FUZZ_SECONDS ?= 300
+SUB_MAKE = $(MAKE) --no-print-directory KERNEL_CUDA_OBJS="$(KERNEL_CUDA_OBJS)"
+
+# The fuzz target links the daemon without its main() (tests/fuzz/fuzz_frame.c).
+FUZZ_DAEMON_OBJS = $(filter-out $(B)/obj/daemon/main.o,$(DAEMON_OBJS))
+$(B)/fuzz_frame: $(B)/obj/tests/fuzz/fuzz_frame.o $(FUZZ_DAEMON_OBJS) $(B)/lib/libnormkernels.a \
+		$(B)/lib/libnormproto.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(STATIC_UV) $(STATIC_PB) $(CUDART) $(SYS_LIBS) -lstdc++
+
+.PHONY: asan fuzz-build fuzz-corpus
+asan: $(KERNEL_CUDA_OBJS)
+	+@$(SUB_MAKE) B=$(ASAN_B) EXTRA_CFLAGS="$(SAN_FLAGS)" LDFLAGS="$(SAN_FLAGS)" \
+		$(ASAN_B)/bin/normd $(ASAN_B)/bin/normctl tests
+
+fuzz-build: $(KERNEL_CUDA_OBJS)
+	+@$(SUB_MAKE) B=$(FUZZ_B) CC=clang EXTRA_CFLAGS="$(FUZZ_FLAGS)" LDFLAGS="$(FUZZ_LDFLAGS)" \
+		$(FUZZ_B)/fuzz_frame
+
+# Regenerates the committed seed corpus (tests/fuzz/gen_corpus.c).
+fuzz-corpus: $(B)/tests/fuzz/gen_corpus
+	@mkdir -p tests/fuzz/corpus
+	$(B)/tests/fuzz/gen_corpus tests/fuzz/corpus
+
 # ---- entry points ------------------------------------------------------------
 deps:
 	@sh tests/install-deps.sh
@@ -182,8 +223,18 @@ run: deps
 	@sh tests/run-demo.sh $(B)
 
 test: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) all
+	@$(MAKE) --no-print-directory -j$$(nproc) all asan fuzz-build
 	@sh tests/run.sh $(B)
+
+# The unit and integration tests and the demo, built with ASan + UBSan.
+test-asan: deps
+	@$(MAKE) --no-print-directory -j$$(nproc) asan
+	@NORMD_SUITES=asan sh tests/run.sh $(B)
+
+# Fuzzes the frame decoder and request validation for FUZZ_SECONDS (default 300).
+fuzz: deps
+	@$(MAKE) --no-print-directory -j$$(nproc) fuzz-build
+	@sh tests/fuzz/run.sh $(FUZZ_B)/fuzz_frame $(FUZZ_SECONDS)
 
 test-gpu: gpu-progs
 	@sh tests/gpu/run.sh $(B)

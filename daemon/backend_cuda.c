@@ -422,8 +422,8 @@ static void worker_run(struct cuda_worker *w, struct job *job)
 				   cudaGetErrorString(err));
 	}
 	if (rc != NK_OK)
-		return worker_fail(job, NC_EDEVICE_ERROR, "launch refused: %s",
-				   nk_cuda_last_error());
+		return worker_fail(job, rc == NK_EINVAL ? NC_EINVALID_ARGUMENT : NC_EDEVICE_ERROR,
+				   "the kernels refused the job: %s", nk_cuda_last_error());
 	float ms = 0;
 	cudaEventElapsedTime(&ms, w->ev_start, w->ev_stop);
 	job->t_end_ns = job->t_start_ns + (uint64_t)(ms * 1e6f);

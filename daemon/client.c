@@ -132,29 +132,51 @@ void client_send(struct client *c, uint8_t *bytes, size_t len)
 		nc__free(bytes);
 		return;
 	}
-	if (c->out_bytes + len > c->srv->cfg->max_output_bytes) {
+	/*
+	 * With nothing queued, the socket takes the frame at once; only what it
+	 * does not take is queued, so the cap counts bytes the client has not
+	 * read, not bytes we have not tried to write yet.
+	 */
+	size_t sent = 0;
+	if (!c->out_head) {
+		ssize_t n = send(c->fd, bytes, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (n < 0 && errno != EAGAIN && errno != EINTR) {
+			nc__free(bytes);
+			client_close(c, strerror(errno));
+			return;
+		}
+		sent = n > 0 ? (size_t)n : 0;
+		if (sent == len) {
+			nc__free(bytes);
+			return;
+		}
+	}
+	if (c->out_bytes + (len - sent) > c->srv->cfg->max_output_bytes) {
 		nc__free(bytes);
-		log_warn("event=output_cap client=%llu queued=%zu cap=%llu", (unsigned long long)c->id,
-			 c->out_bytes, (unsigned long long)c->srv->cfg->max_output_bytes);
+		log_warn("event=output_cap client=%llu pid=%d queued=%zu cap=%llu",
+			 (unsigned long long)c->id, (int)c->pid, c->out_bytes,
+			 (unsigned long long)c->srv->cfg->max_output_bytes);
+		server_count_rejection(c->srv, NC_REJECT_OUTPUT_CAP);
 		client_close(c, "client does not read its replies (output queue full)");
 		return;
 	}
 	struct out_chunk *chunk = nc__malloc(sizeof(*chunk));
 	if (!chunk) {
 		nc__free(bytes);
+		server_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
 		client_close(c, "out of memory queueing a reply");
 		return;
 	}
 	chunk->next = NULL;
 	chunk->len = len;
-	chunk->sent = 0;
+	chunk->sent = sent;
 	chunk->bytes = bytes;
 	if (c->out_tail)
 		c->out_tail->next = chunk;
 	else
 		c->out_head = chunk;
 	c->out_tail = chunk;
-	c->out_bytes += len;
+	c->out_bytes += len - sent;
 	client_update_poll(c);
 }
 
@@ -219,6 +241,26 @@ int client_claim_fd(struct client *c)
 	return fd;
 }
 
+/*
+ * Answers a frame that does not decode, naming the problem where the bytes
+ * tell it, and closes after the reply: the client speaks something else.
+ */
+static void client_refuse_frame(struct client *c, const uint8_t *body, size_t len,
+				const char *why)
+{
+	char detail[160];
+	if (!strcmp(why, NC__WHY_NO_MEMORY)) {
+		server_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
+		reply_result(c, 0, NC_ERESOURCE_EXHAUSTED, "out of memory decoding a frame; closing");
+	} else {
+		nc__envelope_explain(body, len, detail, sizeof(detail));
+		server_count_rejection(c->srv, NC_REJECT_BAD_FRAME);
+		reply_result(c, 0, NC_EPROTOCOL_ERROR, "undecodable frame (%s); closing",
+			     strcmp(detail, "malformed envelope") ? detail : why);
+	}
+	c->close_after_flush = true;
+}
+
 /* Decodes and dispatches every complete frame in the input buffer. */
 static void client_process_input(struct client *c)
 {
@@ -226,6 +268,7 @@ static void client_process_input(struct client *c)
 	while (!c->closing && !c->close_after_flush && c->in_len - pos >= NC__FRAME_HEADER_BYTES) {
 		uint32_t body = nc__frame_length(c->in_buf + pos);
 		if (body > c->srv->cfg->max_frame) {
+			server_count_rejection(c->srv, NC_REJECT_FRAME_TOO_LARGE);
 			reply_result(c, 0, NC_EPROTOCOL_ERROR,
 				     "frame of %u bytes exceeds max_frame %llu; closing", body,
 				     (unsigned long long)c->srv->cfg->max_frame);
@@ -239,9 +282,7 @@ static void client_process_input(struct client *c)
 							   body, &why);
 		pos += NC__FRAME_HEADER_BYTES + body;
 		if (!env) {
-			reply_result(c, 0, NC_EPROTOCOL_ERROR, "undecodable frame (%s); closing",
-				     why);
-			c->close_after_flush = true;
+			client_refuse_frame(c, c->in_buf + pos - body, body, why);
 			break;
 		}
 		dispatch_envelope(c, env);
@@ -250,7 +291,9 @@ static void client_process_input(struct client *c)
 		return;
 	memmove(c->in_buf, c->in_buf + pos, c->in_len - pos);
 	c->in_len -= pos;
-	if (c->close_after_flush)
+	if (c->close_after_flush && !c->out_head)
+		client_close(c, "protocol violation"); /* the error reply is already sent */
+	else if (c->close_after_flush)
 		client_update_poll(c);
 }
 

@@ -15,10 +15,12 @@
 static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__Hello *hello)
 {
 	if (c->hello_done) {
+		server_count_rejection(c->srv, NC_REJECT_BAD_REQUEST);
 		reply_result(c, request_id, NC_EPROTOCOL_ERROR, "Hello sent twice");
 		return;
 	}
 	if (hello->protocol_version != NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION) {
+		server_count_rejection(c->srv, NC_REJECT_BAD_VERSION);
 		reply_result(c, request_id, NC_EPROTOCOL_ERROR,
 			     "protocol_version %u is not supported (server speaks %u); closing",
 			     hello->protocol_version, NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION);
@@ -48,25 +50,30 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 	int fd = msg->kind == NORMD__REGION_KIND__HOST_MEMFD ? client_claim_fd(c) : -1;
 	char why[192];
 	int rc = 0;
+	enum nc_reject_reason reason = NC_REJECT_BAD_REGION;
 	if (msg->region_id == 0 || msg->size == 0) {
 		rc = NC_EINVALID_ARGUMENT;
-		snprintf(why, sizeof(why), "region_id and size must be non-zero");
+		snprintf(why, sizeof(why), "region_id (%llu) and size (%llu) must be non-zero",
+			 (unsigned long long)msg->region_id, (unsigned long long)msg->size);
 	} else if (region_lookup(&c->regions, msg->region_id)) {
 		rc = NC_EALREADY_EXISTS;
 		snprintf(why, sizeof(why), "region %llu is already registered",
 			 (unsigned long long)msg->region_id);
 	} else if (c->regions.count >= cfg->max_regions) {
 		rc = NC_ERESOURCE_EXHAUSTED;
+		reason = NC_REJECT_LIMIT_REGIONS;
 		snprintf(why, sizeof(why), "max_regions (%llu) reached",
 			 (unsigned long long)cfg->max_regions);
 	} else if (msg->size > cfg->max_mapped_bytes - c->regions.mapped_bytes) {
 		rc = NC_ERESOURCE_EXHAUSTED;
+		reason = NC_REJECT_LIMIT_MAPPED_BYTES;
 		snprintf(why, sizeof(why), "size %llu would exceed max_mapped_bytes (%llu)",
 			 (unsigned long long)msg->size, (unsigned long long)cfg->max_mapped_bytes);
 	}
 	if (rc) {
 		if (fd >= 0)
 			close(fd);
+		server_count_rejection(c->srv, reason);
 		reply_result(c, request_id, rc, "%s", why);
 		return;
 	}
@@ -81,6 +88,9 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 		}
 	}
 	if (rc) {
+		server_count_rejection(c->srv, rc == NC_ENOMEM || rc == NC_ERESOURCE_EXHAUSTED
+						       ? NC_REJECT_OUT_OF_MEMORY
+						       : NC_REJECT_BAD_REGION);
 		reply_result(c, request_id, rc, "region %llu: %s",
 			     (unsigned long long)msg->region_id, why);
 		return;
@@ -96,6 +106,7 @@ static void dispatch_unregister(struct client *c, uint64_t request_id,
 {
 	struct region *region = region_remove(&c->regions, msg->region_id);
 	if (!region) {
+		server_count_rejection(c->srv, NC_REJECT_UNKNOWN_REGION);
 		reply_result(c, request_id, NC_ENOT_FOUND, "region %llu is not registered",
 			     (unsigned long long)msg->region_id);
 		return;
@@ -109,6 +120,7 @@ void dispatch_envelope(struct client *c, Normd__Envelope *env)
 	uint64_t id = env->has_request_id ? env->request_id : 0;
 	Normd__Envelope__BodyCase body = env->body_case;
 	if (!c->hello_done && body != NORMD__ENVELOPE__BODY_HELLO) {
+		server_count_rejection(c->srv, NC_REJECT_BEFORE_HELLO);
 		reply_result(c, id, NC_EPROTOCOL_ERROR, "the first message must be Hello; closing");
 		c->close_after_flush = true;
 		goto out;
@@ -139,6 +151,7 @@ void dispatch_envelope(struct client *c, Normd__Envelope *env)
 		client_close(c, "goodbye");
 		break;
 	default:
+		server_count_rejection(c->srv, NC_REJECT_BAD_REQUEST);
 		reply_result(c, id, NC_EPROTOCOL_ERROR,
 			     "message type %d is not a request the daemon accepts", (int)body);
 		break;

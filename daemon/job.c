@@ -224,11 +224,11 @@ static int job_check_types(struct job *job, const Normd__Job *msg, const struct 
 }
 
 /* Resolves one tensor into a pointer, checking region and bounds. */
-static int job_bind_tensor(struct job *job, struct client *c, const Normd__Tensor *t,
-			   enum tensor_role role, const void **out)
+static int job_bind_tensor(struct job *job, const struct region_table *regions,
+			   const Normd__Tensor *t, enum tensor_role role, const void **out)
 {
 	const char *name = role_names[role];
-	struct region *region = region_lookup(&c->regions, t->region_id);
+	struct region *region = region_lookup(regions, t->region_id);
 	if (!region)
 		return job_refuse(job, NC_ENOT_FOUND,
 				  "tensor %s: region %llu is not registered on this connection",
@@ -243,6 +243,11 @@ static int job_bind_tensor(struct job *job, struct client *c, const Normd__Tenso
 				  "(%llu bytes)",
 				  name, (unsigned long long)offset, (unsigned long long)elems,
 				  (unsigned long long)t->region_id, (unsigned long long)region->size);
+	/* Kernels load whole elements: an element must not straddle its natural alignment. */
+	if ((((uintptr_t)region->base + offset) % role_elem_size(job, role)) != 0)
+		return job_refuse(job, NC_EINVALID_ARGUMENT,
+				  "tensor %s: offset %llu is not a multiple of its element size (%zu)",
+				  name, (unsigned long long)offset, role_elem_size(job, role));
 	region_ref(region);
 	job->regions[job->region_count++] = region;
 	job->bytes += bytes;
@@ -250,8 +255,8 @@ static int job_bind_tensor(struct job *job, struct client *c, const Normd__Tenso
 	return 0;
 }
 
-static int job_bind_tensors(struct job *job, struct client *c, const Normd__Job *msg,
-			    const struct op_rules *r)
+static int job_bind_tensors(struct job *job, const struct region_table *regions,
+			    const Normd__Job *msg, const struct op_rules *r)
 {
 	const void *ptr[JOB_MAX_TENSORS] = {0};
 	for (int role = 0; role < JOB_MAX_TENSORS; role++) {
@@ -265,7 +270,7 @@ static int job_bind_tensors(struct job *job, struct client *c, const Normd__Job 
 					  r->name,
 					  role == T_MEAN && msg->memory_efficient ? " with memory_efficient"
 										  : "");
-		if (t && job_bind_tensor(job, c, t, (enum tensor_role)role, &ptr[role]))
+		if (t && job_bind_tensor(job, regions, t, (enum tensor_role)role, &ptr[role]))
 			return job->status;
 	}
 	/* A job runs where its memory is: every tensor on one device. */
@@ -291,13 +296,14 @@ static int job_bind_tensors(struct job *job, struct client *c, const Normd__Job 
 	return 0;
 }
 
-static int job_validate(struct job *job, struct client *c, const Normd__Job *msg)
+int job_validate(struct job *job, const struct region_table *regions, const struct config *cfg,
+		 const Normd__Job *msg)
 {
 	const struct op_rules *r = rules_for(msg->op);
 	if (!r)
 		return job_refuse(job, NC_EINVALID_ARGUMENT, "op %d is not a known operation",
 				  (int)msg->op);
-	if (job_check_shape(job, msg, c->srv->cfg) || job_check_types(job, msg, r))
+	if (job_check_shape(job, msg, cfg) || job_check_types(job, msg, r))
 		return job->status;
 	if (msg->op == NORMD__OP__WGRAD_ACCUM) {
 		if ((msg->memory_efficient || msg->accumulate))
@@ -318,7 +324,7 @@ static int job_validate(struct job *job, struct client *c, const Normd__Job *msg
 	struct op_rules adjusted = *r;
 	if (msg->memory_efficient)
 		adjusted.use[T_MEAN] = U_NONE;
-	if (job_bind_tensors(job, c, msg, &adjusted))
+	if (job_bind_tensors(job, regions, msg, &adjusted))
 		return job->status;
 	const char *why = NULL;
 	if (job->wgrad) {
@@ -345,10 +351,12 @@ void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 {
 	struct server *srv = c->srv;
 	if (srv->draining) {
+		server_count_rejection(srv, NC_REJECT_SHUTTING_DOWN);
 		reply_result(c, request_id, NC_ESHUTTING_DOWN, "the daemon is shutting down");
 		return;
 	}
 	if (c->jobs_in_flight >= srv->cfg->max_jobs_in_flight) {
+		server_count_rejection(srv, NC_REJECT_LIMIT_JOBS_IN_FLIGHT);
 		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED,
 			     "max_jobs_in_flight (%llu) reached; wait for replies first",
 			     (unsigned long long)srv->cfg->max_jobs_in_flight);
@@ -356,6 +364,7 @@ void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 	}
 	struct job *job = nc__calloc(1, sizeof(*job));
 	if (!job) {
+		server_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
 		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED, "out of memory for a job");
 		return;
 	}
@@ -364,7 +373,10 @@ void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 	job->op = msg->op;
 	job->deadline_us = msg->has_deadline_us ? msg->deadline_us : 0;
 	job->t_arrive_ns = server_now_ns();
-	if (job_validate(job, c, msg) == 0)
+	if (job_validate(job, &c->regions, srv->cfg, msg) != 0)
+		server_count_rejection(srv, job->status == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
+									 : NC_REJECT_BAD_JOB);
+	else
 		job->status = srv->backend->submit(srv->backend, job);
 	if (job->status != NC_OK) {
 		stats_count_job(srv, job, false);

@@ -6,6 +6,7 @@
 #include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "daemon/log.h"
@@ -51,6 +52,13 @@ int main(int argc, char **argv)
 	mallopt(M_MMAP_THRESHOLD, 128 * 1024);
 	/* Writes to a vanished client must fail with EPIPE, not kill the daemon. */
 	signal(SIGPIPE, SIG_IGN);
+	/*
+	 * Test hook (tests/integration/test_alloc_failure.c): NORMD_TEST_FAIL_ALLOC=N
+	 * makes the Nth allocation after the server starts listening fail.
+	 */
+	const char *fail_alloc = getenv("NORMD_TEST_FAIL_ALLOC");
+	if (fail_alloc)
+		server_test_fail_alloc = strtoull(fail_alloc, NULL, 10);
 	config_log(&cfg);
 
 	struct backend *backend = NULL;

@@ -54,17 +54,26 @@ void reply_result(struct client *c, uint64_t request_id, int status, const char 
 	reply_send(c, &env);
 }
 
+/* The configured limits, as HelloReply and StatsReply carry them. */
+static void reply_fill_limits(const struct config *cfg, Normd__Limits *limits)
+{
+	normd__limits__init(limits);
+	limits->has_max_frame = limits->has_max_regions = limits->has_max_mapped_bytes = true;
+	limits->has_max_jobs_in_flight = limits->has_max_cols = true;
+	limits->has_max_clients = limits->has_max_output_bytes = true;
+	limits->max_frame = (uint32_t)cfg->max_frame;
+	limits->max_regions = (uint32_t)cfg->max_regions;
+	limits->max_mapped_bytes = cfg->max_mapped_bytes;
+	limits->max_jobs_in_flight = (uint32_t)cfg->max_jobs_in_flight;
+	limits->max_cols = cfg->max_cols;
+	limits->max_clients = (uint32_t)cfg->max_clients;
+	limits->max_output_bytes = cfg->max_output_bytes;
+}
+
 void reply_hello(struct client *c, uint64_t request_id)
 {
-	const struct config *cfg = c->srv->cfg;
-	Normd__Limits limits = NORMD__LIMITS__INIT;
-	limits.has_max_frame = limits.has_max_regions = limits.has_max_mapped_bytes = true;
-	limits.has_max_jobs_in_flight = limits.has_max_cols = true;
-	limits.max_frame = (uint32_t)cfg->max_frame;
-	limits.max_regions = (uint32_t)cfg->max_regions;
-	limits.max_mapped_bytes = cfg->max_mapped_bytes;
-	limits.max_jobs_in_flight = (uint32_t)cfg->max_jobs_in_flight;
-	limits.max_cols = cfg->max_cols;
+	Normd__Limits limits;
+	reply_fill_limits(c->srv->cfg, &limits);
 
 	const struct backend *backend = c->srv->backend;
 	Normd__Device devices[backend->device_count];
@@ -165,6 +174,11 @@ void reply_stats(struct client *c, uint64_t request_id)
 	stats.errors_by_status = srv->stats.errors_by_status;
 	stats.backend = (char *)srv->backend->name;
 	stats_fill_reply(srv, &stats);
+	Normd__Limits limits;
+	reply_fill_limits(srv->cfg, &limits);
+	stats.limits = &limits;
+	stats.n_rejections = NC_REJECT_COUNT;
+	stats.rejections = srv->stats.rejections;
 
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.has_request_id = true;

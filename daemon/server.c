@@ -19,12 +19,19 @@
 #include "proto/frame.h"
 
 struct server *server_instance;
+uint64_t server_test_fail_alloc;
 
 uint64_t server_now_ns(void)
 {
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void server_count_rejection(struct server *srv, enum nc_reject_reason reason)
+{
+	if ((int)reason >= 0 && reason < NC_REJECT_COUNT)
+		srv->stats.rejections[reason]++;
 }
 
 void server_count_status(struct server *srv, int status)
@@ -123,12 +130,29 @@ static bool id_allowed(const uint32_t *ids, int count, uint32_t id)
 	return false;
 }
 
-static bool server_peer_allowed(const struct server *srv, const struct ucred *cred)
+/* True if one of the peer's supplementary groups (SO_PEERGROUPS) is allowed. */
+static bool server_peer_groups_allowed(const struct server *srv, int fd)
+{
+	gid_t groups[256];
+	socklen_t len = sizeof(groups);
+	if (srv->allowed_gid_count <= 0 ||
+	    getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) != 0)
+		return false;
+	for (size_t i = 0; i < len / sizeof(gid_t); i++) {
+		if (id_allowed(srv->allowed_gids, srv->allowed_gid_count, groups[i]))
+			return true;
+	}
+	return false;
+}
+
+/* Allowed: no lists, or the uid, the primary gid or a supplementary gid is listed. */
+static bool server_peer_allowed(const struct server *srv, int fd, const struct ucred *cred)
 {
 	if (srv->allowed_uid_count <= 0 && srv->allowed_gid_count <= 0)
 		return true;
 	return id_allowed(srv->allowed_uids, srv->allowed_uid_count, cred->uid) ||
-	       id_allowed(srv->allowed_gids, srv->allowed_gid_count, cred->gid);
+	       id_allowed(srv->allowed_gids, srv->allowed_gid_count, cred->gid) ||
+	       server_peer_groups_allowed(srv, fd);
 }
 
 /* Answers a connection we will not serve with one Result frame, then closes it. */
@@ -158,9 +182,10 @@ static void server_accept_one(struct server *srv, int fd)
 		close(fd);
 		return;
 	}
-	if (!server_peer_allowed(srv, &cred)) {
+	if (!server_peer_allowed(srv, fd, &cred)) {
 		log_warn("event=refused pid=%d uid=%d gid=%d reason=\"uid/gid not allowed\"",
 			 (int)cred.pid, (int)cred.uid, (int)cred.gid);
+		server_count_rejection(srv, NC_REJECT_PEER_NOT_ALLOWED);
 		server_refuse(fd, NC_EINVALID_ARGUMENT,
 			      "permission denied: this uid/gid is not in allow_uid/allow_gid");
 		return;
@@ -168,10 +193,12 @@ static void server_accept_one(struct server *srv, int fd)
 	if (srv->client_count >= srv->cfg->max_clients) {
 		log_warn("event=refused pid=%d uid=%d reason=\"max_clients reached\"", (int)cred.pid,
 			 (int)cred.uid);
+		server_count_rejection(srv, NC_REJECT_LIMIT_CLIENTS);
 		server_refuse(fd, NC_ERESOURCE_EXHAUSTED, "max_clients reached; try again later");
 		return;
 	}
 	if (client_create(srv, fd, cred.pid, cred.uid, cred.gid) != 0) {
+		server_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
 		server_refuse(fd, NC_ERESOURCE_EXHAUSTED, "out of memory for a new client");
 		return;
 	}
@@ -260,7 +287,7 @@ static void server_shutdown(struct server *srv)
 
 void server_drain_check(struct server *srv)
 {
-	if (!srv->draining || srv->jobs_in_flight > 0)
+	if (!srv->draining || srv->stopped || srv->jobs_in_flight > 0)
 		return;
 	for (struct client *c = srv->clients; c; c = c->next) {
 		if (!c->closing && c->out_head)
@@ -321,6 +348,12 @@ void server_fail(struct server *srv, const char *why)
 }
 
 /* ---- start and run -------------------------------------------------------------- */
+
+/* The test hook's allocation has just failed (any thread; log_msg does not allocate). */
+static void server_on_injected_failure(uint64_t n)
+{
+	log_warn("event=test_alloc_failure_injected n=%llu", (unsigned long long)n);
+}
 
 static int server_init_access(struct server *srv)
 {
@@ -384,6 +417,11 @@ int server_run(const struct config *cfg, struct backend *backend)
 	if (notify_start(&srv)) {
 		log_error("event=init_failed error=\"libuv timers\"");
 		return 1;
+	}
+	if (server_test_fail_alloc) {
+		log_warn("event=test_alloc_failure_armed n=%llu",
+			 (unsigned long long)server_test_fail_alloc);
+		nc__alloc_fail_after(server_test_fail_alloc, server_on_injected_failure);
 	}
 	uv_run(srv.loop, UV_RUN_DEFAULT);
 	/* Workers finish what they hold; answer (to nobody) and free it. */

@@ -166,6 +166,16 @@ struct job {
 	uint32_t clamped_cols;
 };
 
+/*
+ * Checks everything a client controls in `msg` against `regions` and `cfg`
+ * and touches nothing else (tests/fuzz/fuzz_frame.c calls it directly). On
+ * success job->args (or job->gemm) points into the regions and job->regions
+ * holds one reference per tensor; on failure job->status and job->message
+ * say why, and references already taken stay in job->regions. Returns
+ * job->status.
+ */
+int job_validate(struct job *job, const struct region_table *regions, const struct config *cfg,
+		 const Normd__Job *msg);
 /* Validates `msg` against c's regions and submits it; always answers. */
 void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg);
 /* Called by backends from any thread when a job has run (or failed). */
@@ -280,6 +290,7 @@ struct server_stats {
 	uint64_t errors_by_status[NORMD__STATUS__INTERNAL + 1];
 	struct op_stats ops[STATS_OPS];
 	struct device_stats devices[STATS_DEVICES];
+	uint64_t rejections[NC_REJECT_COUNT]; /* refusals by reason (enum nc_reject_reason) */
 };
 
 /* ---- statistics (stats.c) ----------------------------------------------------- */
@@ -336,6 +347,14 @@ int server_run(const struct config *cfg, struct backend *backend);
 void server_job_started(struct server *srv);
 /* Counts a reply status in the stats. */
 void server_count_status(struct server *srv, int status);
+/* Counts one refused connection, frame or request under its reason. */
+void server_count_rejection(struct server *srv, enum nc_reject_reason reason);
+/*
+ * Test hook, set by main() from NORMD_TEST_FAIL_ALLOC: once the server is
+ * listening, allocation number N (through nc__malloc and friends) fails,
+ * once. 0, the default, injects nothing.
+ */
+extern uint64_t server_test_fail_alloc;
 /* A device is lost: GoAway(DEVICE_ERROR) to all, drain, exit non-zero. */
 void server_fail(struct server *srv, const char *why);
 /* Re-checks whether a drain has finished. */

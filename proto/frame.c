@@ -5,6 +5,7 @@
 #include "proto/frame.h"
 
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,23 +22,34 @@ NC_STATUS_MAP(NC__CHECK_WIRE)
 #undef NORMD__STATUS__TIMEOUT
 #undef NORMD__STATUS__NOMEM
 
+#define NC__CHECK_REJECT(name, value, text)                                                \
+	_Static_assert((int)NORMD__REJECT_REASON__REJECT_##name == (value),                \
+		       "NC_REJECT_MAP and normd.proto disagree on " #name);
+NC_REJECT_MAP(NC__CHECK_REJECT)
+#undef NC__CHECK_REJECT
+_Static_assert(NC_REJECT_COUNT <= 32, "nc_stats.rejections is too small");
+
 /* ---- allocation ---------------------------------------------------------- */
 
 static _Atomic uint64_t alloc_count;
 static _Atomic uint64_t alloc_fail_at;
+static void (*alloc_fail_hook)(uint64_t n);
 
-void nc__alloc_fail_after(uint64_t n)
+void nc__alloc_fail_after(uint64_t n, void (*on_fail)(uint64_t n))
 {
 	atomic_store(&alloc_count, 0);
+	alloc_fail_hook = on_fail;
 	atomic_store(&alloc_fail_at, n);
 }
 
 static bool alloc_should_fail(void)
 {
-	uint64_t fail_at = atomic_load_explicit(&alloc_fail_at, memory_order_relaxed);
-	if (fail_at == 0)
+	uint64_t fail_at = atomic_load_explicit(&alloc_fail_at, memory_order_acquire);
+	if (fail_at == 0 || atomic_fetch_add(&alloc_count, 1) + 1 != fail_at)
 		return false;
-	return atomic_fetch_add(&alloc_count, 1) + 1 == fail_at;
+	if (alloc_fail_hook)
+		alloc_fail_hook(fail_at);
+	return true;
 }
 
 void *nc__malloc(size_t size)
@@ -101,6 +113,18 @@ NC_API const char *nc_status_name(int status)
 	}
 }
 
+NC_API const char *nc_reject_name(int reason)
+{
+	switch (reason) {
+#define NC__REJECT_TEXT(name, value, text)                                                 \
+	case NC_REJECT_##name:                                                             \
+		return text;
+		NC_REJECT_MAP(NC__REJECT_TEXT)
+#undef NC__REJECT_TEXT
+	default:
+		return "unknown";
+	}
+}
 
 int nc__status_from_wire(Normd__Status status)
 {
@@ -149,6 +173,7 @@ int nc__frame_pack(const Normd__Envelope *env, uint32_t max_frame, uint8_t **out
 struct unpack_budget {
 	size_t left;
 	bool exhausted; /* an allocation was refused for the budget */
+	bool no_memory; /* an allocation within the budget failed */
 };
 
 static void *budget_alloc(void *data, size_t size)
@@ -160,7 +185,10 @@ static void *budget_alloc(void *data, size_t size)
 	}
 	if (budget)
 		budget->left -= size;
-	return nc__malloc(size);
+	void *ptr = nc__malloc(size);
+	if (!ptr && budget)
+		budget->no_memory = true;
+	return ptr;
 }
 
 static void budget_free(void *data, void *ptr)
@@ -189,7 +217,9 @@ Normd__Envelope *nc__envelope_unpack(const uint8_t *body, size_t len, const char
 	Normd__Envelope *env = normd__envelope__unpack(&allocator, len, body);
 	if (!env) {
 		if (why)
-			*why = budget.exhausted ? "message too complex" : "malformed envelope";
+			*why = budget.no_memory	  ? NC__WHY_NO_MEMORY
+			       : budget.exhausted ? "message too complex"
+						  : "malformed envelope";
 		return NULL;
 	}
 	if (env->body_case == NORMD__ENVELOPE__BODY__NOT_SET) {
@@ -205,4 +235,149 @@ void nc__envelope_free(Normd__Envelope *env)
 {
 	if (env)
 		protobuf_c_message_free_unpacked(&env->base, &release_allocator);
+}
+
+/* ---- explaining a frame that does not decode ----------------------------------- */
+
+#define EXPLAIN_MAX_DEPTH 8
+#define EXPLAIN_MAX_FIELDS 64
+
+/* Reads one varint at *pos; false if it is truncated or longer than 10 bytes. */
+static bool wire_varint(const uint8_t *p, size_t len, size_t *pos, uint64_t *out)
+{
+	uint64_t v = 0;
+	for (unsigned shift = 0; shift < 70 && *pos < len; shift += 7) {
+		uint8_t byte = p[(*pos)++];
+		if (shift < 64)
+			v |= (uint64_t)(byte & 0x7f) << shift;
+		if (!(byte & 0x80)) {
+			*out = v;
+			return true;
+		}
+	}
+	return false;
+}
+
+/* The wire type protobuf uses for a field type (packed repeated fields also take 2). */
+static unsigned wire_type_of(ProtobufCType type)
+{
+	switch (type) {
+	case PROTOBUF_C_TYPE_SFIXED32:
+	case PROTOBUF_C_TYPE_FIXED32:
+	case PROTOBUF_C_TYPE_FLOAT:
+		return 5;
+	case PROTOBUF_C_TYPE_SFIXED64:
+	case PROTOBUF_C_TYPE_FIXED64:
+	case PROTOBUF_C_TYPE_DOUBLE:
+		return 1;
+	case PROTOBUF_C_TYPE_STRING:
+	case PROTOBUF_C_TYPE_BYTES:
+	case PROTOBUF_C_TYPE_MESSAGE:
+		return 2;
+	default:
+		return 0;
+	}
+}
+
+/* Skips one field's payload of wire type `wt`; false if it runs past the end. */
+static bool wire_skip(const uint8_t *p, size_t len, size_t *pos, unsigned wt, size_t *sub_len)
+{
+	uint64_t v;
+	*sub_len = 0;
+	switch (wt) {
+	case 0:
+		return wire_varint(p, len, pos, &v);
+	case 1:
+	case 5: {
+		size_t n = wt == 1 ? 8 : 4;
+		if (len - *pos < n)
+			return false;
+		*pos += n;
+		return true;
+	}
+	case 2:
+		if (!wire_varint(p, len, pos, &v) || v > len - *pos)
+			return false;
+		*sub_len = (size_t)v;
+		*pos += (size_t)v;
+		return true;
+	default:
+		return false; /* groups (3, 4) are not part of this protocol; 6, 7 do not exist */
+	}
+}
+
+/*
+ * Walks one message with its descriptor and writes the first problem found
+ * into buf: malformed wire data, a field with the wrong wire type, a missing
+ * required field, recursively into sub-messages. Returns true if it found one.
+ */
+static bool explain_message(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t len,
+			    const char *path, int depth, char *buf, size_t buf_len)
+{
+	bool seen[EXPLAIN_MAX_FIELDS] = {false};
+	size_t pos = 0;
+	while (pos < len) {
+		size_t start = pos, sub_len;
+		uint64_t key;
+		if (!wire_varint(p, len, &pos, &key)) {
+			snprintf(buf, buf_len, "%s: truncated field key at byte %zu", path, start);
+			return true;
+		}
+		uint64_t tag = key >> 3;
+		unsigned wt = (unsigned)(key & 7);
+		if (tag == 0 || tag > 536870911u) {
+			snprintf(buf, buf_len, "%s: invalid field number %llu at byte %zu", path,
+				 (unsigned long long)tag, start);
+			return true;
+		}
+		const ProtobufCFieldDescriptor *f =
+			protobuf_c_message_descriptor_get_field(desc, (unsigned)tag);
+		if (!wire_skip(p, len, &pos, wt, &sub_len)) {
+			if (f)
+				snprintf(buf, buf_len, "%s.%s (wire type %u) is cut short or malformed "
+					 "at byte %zu", path, f->name, wt, start);
+			else
+				snprintf(buf, buf_len, "%s: field %llu (wire type %u) is cut short or "
+					 "malformed at byte %zu", path, (unsigned long long)tag, wt, start);
+			return true;
+		}
+		if (!f)
+			continue; /* unknown fields are kept, not refused */
+		unsigned want = wire_type_of(f->type);
+		bool packed = f->label == PROTOBUF_C_LABEL_REPEATED && wt == 2 && want != 2;
+		if (wt != want && !packed) {
+			snprintf(buf, buf_len, "%s.%s has wire type %u, expected %u", path, f->name,
+				 wt, want);
+			return true;
+		}
+		size_t index = (size_t)(f - desc->fields);
+		if (index < EXPLAIN_MAX_FIELDS)
+			seen[index] = true;
+		if (f->type == PROTOBUF_C_TYPE_MESSAGE && depth < EXPLAIN_MAX_DEPTH) {
+			char sub_path[128];
+			const ProtobufCMessageDescriptor *sub = f->descriptor;
+			/* The body of an Envelope is named by its type; deeper fields by name. */
+			if (depth == 0)
+				snprintf(sub_path, sizeof(sub_path), "%s", sub->short_name);
+			else
+				snprintf(sub_path, sizeof(sub_path), "%s.%s", path, f->name);
+			if (explain_message(sub, p + pos - sub_len, sub_len, sub_path, depth + 1, buf,
+					    buf_len))
+				return true;
+		}
+	}
+	for (unsigned i = 0; i < desc->n_fields && i < EXPLAIN_MAX_FIELDS; i++) {
+		if (desc->fields[i].label == PROTOBUF_C_LABEL_REQUIRED && !seen[i]) {
+			snprintf(buf, buf_len, "%s is missing required field '%s'", path,
+				 desc->fields[i].name);
+			return true;
+		}
+	}
+	return false;
+}
+
+void nc__envelope_explain(const uint8_t *body, size_t len, char *buf, size_t buf_len)
+{
+	if (!explain_message(&normd__envelope__descriptor, body, len, "Envelope", 0, buf, buf_len))
+		snprintf(buf, buf_len, "malformed envelope");
 }

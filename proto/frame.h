@@ -36,10 +36,20 @@ int nc__frame_pack(const Normd__Envelope *env, uint32_t max_frame, uint8_t **out
 /*
  * Unpacks one body. Returns NULL if the bytes are not a valid Envelope, if it
  * carries no body, or if decoding would exceed the byte budget; *why (may be
- * NULL) then says which. Free the result with nc__envelope_free().
+ * NULL) then says which: a static string, NC__WHY_NO_MEMORY when an
+ * allocation failed. Free the result with nc__envelope_free().
  */
+#define NC__WHY_NO_MEMORY "out of memory while decoding"
 Normd__Envelope *nc__envelope_unpack(const uint8_t *body, size_t len, const char **why);
 void nc__envelope_free(Normd__Envelope *env);
+
+/*
+ * Says in one line why `body` does not decode, naming the message and field
+ * where it can ("Job is missing required field 'rows'", "RegisterRegion.size
+ * has wire type 2, expected 0"); "malformed envelope" when it cannot tell.
+ * Reads the bytes only; allocates nothing.
+ */
+void nc__envelope_explain(const uint8_t *body, size_t len, char *buf, size_t buf_len);
 
 /* ---- allocation ------------------------------------------------------------
  * Every allocation of the daemon, the library and the codec goes through
@@ -51,8 +61,12 @@ void *nc__realloc(void *ptr, size_t size);
 char *nc__strdup(const char *s);
 void nc__free(void *ptr);
 
-/* Makes allocation number `n` (1-based, counted from this call) fail; 0 disables. */
-void nc__alloc_fail_after(uint64_t n);
+/*
+ * Makes allocation number `n` (1-based, counted from this call) fail; 0
+ * disables. `on_fail` (may be NULL) is called, on the failing thread, just
+ * before that allocation returns NULL; it must not allocate.
+ */
+void nc__alloc_fail_after(uint64_t n, void (*on_fail)(uint64_t n));
 
 /* Wire status <-> library code. Unknown wire values map to NC_EPROTOCOL_ERROR. */
 int nc__status_from_wire(Normd__Status status);

@@ -305,6 +305,49 @@ struct nc_device_stats {
 	uint64_t variant_cache_hits, variant_cache_misses;
 };
 
+/*
+ * Why the daemon refused a connection, a frame or a request: the index of
+ * nc_stats.rejections. Same values as normd.RejectReason on the wire.
+ */
+#define NC_REJECT_MAP(X)                                                                \
+	X(BAD_FRAME, 0, "bad_frame")                                                    \
+	X(FRAME_TOO_LARGE, 1, "frame_too_large")                                        \
+	X(BEFORE_HELLO, 2, "before_hello")                                              \
+	X(BAD_VERSION, 3, "bad_version")                                                \
+	X(BAD_REQUEST, 4, "bad_request")                                                \
+	X(PEER_NOT_ALLOWED, 5, "peer_not_allowed")                                      \
+	X(LIMIT_CLIENTS, 6, "limit_clients")                                            \
+	X(LIMIT_REGIONS, 7, "limit_regions")                                            \
+	X(LIMIT_MAPPED_BYTES, 8, "limit_mapped_bytes")                                  \
+	X(LIMIT_JOBS_IN_FLIGHT, 9, "limit_jobs_in_flight")                              \
+	X(OUTPUT_CAP, 10, "output_cap")                                                 \
+	X(BAD_REGION, 11, "bad_region")                                                 \
+	X(UNKNOWN_REGION, 12, "unknown_region")                                         \
+	X(BAD_JOB, 13, "bad_job")                                                       \
+	X(SHUTTING_DOWN, 14, "shutting_down")                                           \
+	X(OUT_OF_MEMORY, 15, "out_of_memory")
+
+enum nc_reject_reason {
+#define NC__REJECT_ENUM(name, value, text) NC_REJECT_##name = (value),
+	NC_REJECT_MAP(NC__REJECT_ENUM)
+#undef NC__REJECT_ENUM
+	NC_REJECT_COUNT
+};
+
+/* The snake_case name of a rejection reason ("limit_regions"), or "unknown". Any thread. */
+NC_API const char *nc_reject_name(int reason);
+
+/* The daemon's limits (its configuration), as Stats reports them. */
+struct nc_limits {
+	uint32_t max_clients;        /* connections at once, all clients together */
+	uint32_t max_frame;          /* bytes in one frame body */
+	uint32_t max_regions;        /* registered regions per connection */
+	uint32_t max_jobs_in_flight; /* per connection */
+	uint64_t max_mapped_bytes;   /* registered bytes per connection */
+	uint64_t max_output_bytes;   /* unread reply bytes before a client is dropped */
+	uint64_t max_cols;           /* widest row */
+};
+
 struct nc_stats {
 	uint64_t uptime_ms;
 	uint32_t clients;
@@ -321,6 +364,8 @@ struct nc_stats {
 	struct nc_op_stats ops[NC_STATS_OPS]; /* indexed by enum nc_op */
 	uint32_t device_count;
 	struct nc_device_stats devices[NC_STATS_DEVICES];
+	uint64_t rejections[32];      /* refusals, indexed by enum nc_reject_reason */
+	struct nc_limits limits;
 };
 
 /* Fetches the daemon's counters. Errors: NC_EIO, NC_ETIMEOUT. */

@@ -457,6 +457,28 @@ static void keep_server_info(nc_conn *conn, const Normd__HelloReply *hello)
 		info->max_frame = NC__DEFAULT_MAX_FRAME;
 }
 
+/*
+ * A daemon that refuses a connection (allow lists, max_clients) sends one
+ * Result and closes, maybe before our Hello is written. Report that Result
+ * rather than the bare I/O error of the failed send.
+ */
+static int refusal_reason(nc_conn *conn, int rc)
+{
+	Normd__Envelope *env = NULL;
+	char saved[256];
+	snprintf(saved, sizeof(saved), "%s", nc_last_error());
+	if (read_frame(conn, now_ms(), &env) == 0 && env->body_case == NORMD__ENVELOPE__BODY_RESULT &&
+	    env->result->status != NORMD__STATUS__OK) {
+		rc = nc__status_from_wire(env->result->status);
+		nc__fail(rc, "normd: %s",
+			 env->result->message ? env->result->message : "connection refused");
+	} else {
+		nc__fail(rc, "%s", saved);
+	}
+	nc__envelope_free(env);
+	return rc;
+}
+
 static int say_hello(nc_conn *conn, const char *client_name, int timeout_ms)
 {
 	Normd__Hello hello = NORMD__HELLO__INIT;
@@ -469,6 +491,8 @@ static int say_hello(nc_conn *conn, const char *client_name, int timeout_ms)
 	env.hello = &hello;
 	Normd__Envelope *reply;
 	int rc = nc__call(conn, &env, -1, timeout_ms, &reply);
+	if (rc == NC_EIO)
+		return refusal_reason(conn, rc);
 	if (rc)
 		return rc;
 	if (reply->body_case == NORMD__ENVELOPE__BODY_HELLO_REPLY) {
@@ -636,6 +660,18 @@ NC_API int nc_stats_get(nc_conn *conn, int timeout_ms, struct nc_stats *out)
 	copy_string(out->backend, sizeof(out->backend), s->backend);
 	stats_copy_ops(out, s);
 	stats_copy_devices(out, s);
+	size_t reasons = sizeof(out->rejections) / sizeof(out->rejections[0]);
+	for (size_t i = 0; i < s->n_rejections && i < reasons; i++)
+		out->rejections[i] = s->rejections[i];
+	if (s->limits) {
+		out->limits.max_clients = s->limits->max_clients;
+		out->limits.max_frame = s->limits->max_frame;
+		out->limits.max_regions = s->limits->max_regions;
+		out->limits.max_jobs_in_flight = s->limits->max_jobs_in_flight;
+		out->limits.max_mapped_bytes = s->limits->max_mapped_bytes;
+		out->limits.max_output_bytes = s->limits->max_output_bytes;
+		out->limits.max_cols = s->limits->max_cols;
+	}
 	nc__envelope_free(reply);
 	return 0;
 }

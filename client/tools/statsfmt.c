@@ -77,6 +77,26 @@ static void device_label(const struct nc_device_stats *d, char *buf, size_t len)
 
 /* ---- text ----------------------------------------------------------------------- */
 
+/* The limits, and how often each kind of refusal happened. */
+static void text_limits(FILE *out, const struct nc_stats *s)
+{
+	const struct nc_limits *l = &s->limits;
+	fprintf(out,
+		"\nlimits           %u clients; per connection: frame %u B, %u regions, "
+		"%llu B mapped, %u jobs in flight, %llu B unread replies\nrejections      ",
+		l->max_clients, l->max_frame, l->max_regions,
+		(unsigned long long)l->max_mapped_bytes, l->max_jobs_in_flight,
+		(unsigned long long)l->max_output_bytes);
+	bool any = false;
+	for (int i = 0; i < NC_REJECT_COUNT; i++) {
+		if (s->rejections[i])
+			fprintf(out, " %s=%llu", nc_reject_name(i),
+				(unsigned long long)s->rejections[i]);
+		any = any || s->rejections[i];
+	}
+	fprintf(out, "%s\n", any ? "" : " none");
+}
+
 void statsfmt_text(FILE *out, const struct nc_stats *s)
 {
 	fprintf(out,
@@ -133,6 +153,7 @@ void statsfmt_text(FILE *out, const struct nc_stats *s)
 			(unsigned long long)d->jobs_ok, (unsigned long long)d->jobs_failed,
 			(unsigned long long)d->bytes, (double)d->busy_us / 1e6, hits, misses);
 	}
+	text_limits(out, s);
 }
 
 /* ---- JSON ----------------------------------------------------------------------- */
@@ -207,7 +228,18 @@ void statsfmt_json(FILE *out, const struct nc_stats *s)
 		fprintf(out, "%s", i ? "," : "");
 		json_device(out, &s->devices[i]);
 	}
-	fprintf(out, "]}\n");
+	const struct nc_limits *l = &s->limits;
+	fprintf(out,
+		"],\"limits\":{\"max_clients\":%u,\"max_frame\":%u,\"max_regions\":%u,"
+		"\"max_mapped_bytes\":%llu,\"max_jobs_in_flight\":%u,\"max_output_bytes\":%llu,"
+		"\"max_cols\":%llu},\"rejections\":{",
+		l->max_clients, l->max_frame, l->max_regions,
+		(unsigned long long)l->max_mapped_bytes, l->max_jobs_in_flight,
+		(unsigned long long)l->max_output_bytes, (unsigned long long)l->max_cols);
+	for (int i = 0; i < NC_REJECT_COUNT; i++)
+		fprintf(out, "%s\"%s\":%llu", i ? "," : "", nc_reject_name(i),
+			(unsigned long long)s->rejections[i]);
+	fprintf(out, "}}\n");
 }
 
 /* ---- Prometheus ----------------------------------------------------------------- */
@@ -318,6 +350,32 @@ static void prom_devices(FILE *out, const struct nc_stats *s)
 	}
 }
 
+static void prom_rejections(FILE *out, const struct nc_stats *s)
+{
+	prom_family(out, "normd_rejections_total", "counter",
+		    "Connections, frames and requests the daemon refused, by reason.");
+	for (int i = 0; i < NC_REJECT_COUNT; i++)
+		fprintf(out, "normd_rejections_total{reason=\"%s\"} %llu\n", nc_reject_name(i),
+			(unsigned long long)s->rejections[i]);
+	const struct nc_limits *l = &s->limits;
+	const struct {
+		const char *name;
+		uint64_t value;
+	} limits[] = {
+		{"max_clients", l->max_clients},
+		{"max_frame_bytes", l->max_frame},
+		{"max_regions", l->max_regions},
+		{"max_mapped_bytes", l->max_mapped_bytes},
+		{"max_jobs_in_flight", l->max_jobs_in_flight},
+		{"max_output_bytes", l->max_output_bytes},
+	};
+	prom_family(out, "normd_limit", "gauge",
+		    "A configured limit (clients: all together; others per connection).");
+	for (size_t i = 0; i < sizeof(limits) / sizeof(limits[0]); i++)
+		fprintf(out, "normd_limit{name=\"%s\"} %llu\n", limits[i].name,
+			(unsigned long long)limits[i].value);
+}
+
 static void prom_gauge(FILE *out, const char *name, const char *help, double value)
 {
 	prom_family(out, name, "gauge", help);
@@ -352,6 +410,7 @@ void statsfmt_prometheus(FILE *out, const struct nc_stats *s, const char *versio
 	prom_ops(out, s);
 	prom_histograms(out, s);
 	prom_devices(out, s);
+	prom_rejections(out, s);
 }
 
 void statsfmt_prometheus_down(FILE *out)

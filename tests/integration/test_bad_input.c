@@ -30,10 +30,14 @@ static int start_daemon(void **state)
 	return test_daemon_start(&daemon_, NULL);
 }
 
+/* How the group's daemon exited: cmocka does not fail a program for its teardown. */
+static int daemon_exit = -1;
+
 static int stop_daemon(void **state)
 {
 	(void)state;
-	return test_daemon_stop(&daemon_) == 0 ? 0 : -1;
+	daemon_exit = test_daemon_stop(&daemon_);
+	return daemon_exit == 0 ? 0 : -1;
 }
 
 /* After every case: the daemon is up and serves a well-behaved client. */
@@ -201,6 +205,8 @@ static void test_bad_jobs(void **state)
 	expect_job_status(&jc, &job, NC_ENOT_FOUND, "region 4242 is not registered");
 	job = good, job.y.offset = nc_region_size(jc.kit.region) - 4;
 	expect_job_status(&jc, &job, NC_EOUT_OF_RANGE, "tensor y");
+	job = good, job.x.offset = 2; /* f32 elements at a 2-byte offset */
+	expect_job_status(&jc, &job, NC_EINVALID_ARGUMENT, "element size");
 	job = good, job.x.offset = UINT64_MAX - 16;
 	expect_job_status(&jc, &job, NC_EOUT_OF_RANGE, "tensor x");
 	job = good, job.gamma.offset = UINT64_MAX;
@@ -291,5 +297,8 @@ int main(void)
 		cmocka_unit_test(test_other_clients_region),
 		cmocka_unit_test(test_unregister_twice),
 	};
-	return cmocka_run_group_tests(tests, start_daemon, stop_daemon);
+	int failed = cmocka_run_group_tests(tests, start_daemon, stop_daemon);
+	if (daemon_exit != 0)
+		fprintf(stderr, "normd exited with status %d\n", daemon_exit);
+	return failed || daemon_exit != 0;
 }

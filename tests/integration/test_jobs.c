@@ -32,13 +32,16 @@ static int start_daemon(void **state)
 	return test_daemon_start(&daemon_, extra);
 }
 
+/* How the group's daemon exited: cmocka does not fail a program for its teardown. */
+static int daemon_exit = -1;
+
 static int stop_daemon(void **state)
 {
 	(void)state;
-	int rc = test_daemon_stop(&daemon_);
-	if (rc != 0)
-		fprintf(stderr, "normd exited with %d\n", rc);
-	return rc == 0 ? 0 : -1;
+	daemon_exit = test_daemon_stop(&daemon_);
+	if (daemon_exit != 0)
+		fprintf(stderr, "normd exited with %d\n", daemon_exit);
+	return daemon_exit == 0 ? 0 : -1;
 }
 
 static nc_conn *connect_or_fail(void)
@@ -271,5 +274,6 @@ int main(void)
 		cmocka_unit_test(test_threads_share_connection),
 		cmocka_unit_test(test_client_dies_mid_job),
 	};
-	return cmocka_run_group_tests(tests, start_daemon, stop_daemon);
+	int failed = cmocka_run_group_tests(tests, start_daemon, stop_daemon);
+	return failed || daemon_exit != 0;
 }

@@ -25,10 +25,14 @@ static int start_daemon(void **state)
 	return test_daemon_start(&daemon_, NULL);
 }
 
+/* How the group's daemon exited: cmocka does not fail a program for its teardown. */
+static int daemon_exit = -1;
+
 static int stop_daemon(void **state)
 {
 	(void)state;
-	return test_daemon_stop(&daemon_) == 0 ? 0 : -1;
+	daemon_exit = test_daemon_stop(&daemon_);
+	return daemon_exit == 0 ? 0 : -1;
 }
 
 static void test_shapes_against_reference(void **state)
@@ -145,5 +149,8 @@ int main(void)
 		cmocka_unit_test(test_accumulate_twice),
 		cmocka_unit_test(test_bad_wgrad_jobs),
 	};
-	return cmocka_run_group_tests(tests, start_daemon, stop_daemon);
+	int failed = cmocka_run_group_tests(tests, start_daemon, stop_daemon);
+	if (daemon_exit != 0)
+		fprintf(stderr, "normd exited with status %d\n", daemon_exit);
+	return failed || daemon_exit != 0;
 }

@@ -76,9 +76,15 @@ int test_daemon_start_on(struct test_daemon *d, const char *device, const char *
 		execv(bin, (char *const *)argv);
 		_exit(127);
 	}
-	for (int i = 0; i < 400; i++) {
+	/*
+	 * Up to 30 s: a daemon under valgrind starts slowly. The socket file
+	 * appears at bind(), before listen() and before the signal handlers
+	 * exist; "event=listening" is logged once both do.
+	 */
+	for (int i = 0; i < 3000; i++) {
 		struct stat st;
-		if (stat(d->socket, &st) == 0 && S_ISSOCK(st.st_mode))
+		if (stat(d->socket, &st) == 0 && S_ISSOCK(st.st_mode) &&
+		    test_daemon_log_contains(d, "event=listening"))
 			return 0;
 		if (!test_daemon_alive(d))
 			break;
@@ -138,6 +144,33 @@ void test_daemon_dump_log(const struct test_daemon *d)
 	fclose(f);
 }
 
+bool test_daemon_log_contains(const struct test_daemon *d, const char *needle)
+{
+	FILE *f = fopen(d->log, "r");
+	char line[2048];
+	bool found = false;
+	if (!f)
+		return false;
+	while (!found && fgets(line, sizeof(line), f))
+		found = strstr(line, needle) != NULL;
+	fclose(f);
+	return found;
+}
+
+int test_daemon_fd_count(const struct test_daemon *d)
+{
+	char path[64];
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)d->pid);
+	DIR *dir = opendir(path);
+	if (!dir)
+		return -1;
+	int count = 0;
+	for (struct dirent *e; (e = readdir(dir));)
+		count += e->d_name[0] != '.';
+	closedir(dir);
+	return count;
+}
+
 int raw_connect(const char *socket_path)
 {
 	struct sockaddr_un addr = {.sun_family = AF_UNIX};
@@ -174,6 +207,46 @@ int raw_send(int fd, Normd__Envelope *env)
 	if (nc__frame_pack(env, UINT32_MAX, &frame, &len))
 		return -1;
 	int rc = raw_write(fd, frame, len);
+	nc__free(frame);
+	return rc;
+}
+
+int raw_send_with_fd(int fd, Normd__Envelope *env, int pass_fd)
+{
+	uint8_t *frame;
+	size_t len;
+	if (nc__frame_pack(env, UINT32_MAX, &frame, &len))
+		return -1;
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} control;
+	struct iovec iov = {.iov_base = frame, .iov_len = len};
+	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+			     .msg_controllen = sizeof(control.buf)};
+	struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+	cm->cmsg_level = SOL_SOCKET;
+	cm->cmsg_type = SCM_RIGHTS;
+	cm->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
+	ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+	int rc = n < 0 ? -1 : raw_write(fd, frame + n, len - (size_t)n);
+	nc__free(frame);
+	return rc;
+}
+
+int raw_pack_into(Normd__Envelope *env, uint8_t *buf, size_t cap, size_t *len)
+{
+	uint8_t *frame;
+	size_t frame_len;
+	if (nc__frame_pack(env, UINT32_MAX, &frame, &frame_len))
+		return -1;
+	int rc = -1;
+	if (frame_len <= cap - *len) {
+		memcpy(buf + *len, frame, frame_len);
+		*len += frame_len;
+		rc = 0;
+	}
 	nc__free(frame);
 	return rc;
 }

@@ -36,6 +36,10 @@ bool test_daemon_alive(struct test_daemon *d);
 int test_daemon_stop(struct test_daemon *d);
 /* Prints the daemon's log to stderr (for failures). */
 void test_daemon_dump_log(const struct test_daemon *d);
+/* True if the daemon's log so far contains `needle`. */
+bool test_daemon_log_contains(const struct test_daemon *d, const char *needle);
+/* Open file descriptors of the daemon process (from /proc), or -1. */
+int test_daemon_fd_count(const struct test_daemon *d);
 
 /* Raw connection: returns a connected fd or -1. */
 int raw_connect(const char *socket_path);
@@ -43,6 +47,10 @@ int raw_connect(const char *socket_path);
 int raw_write(int fd, const void *bytes, size_t len);
 /* Packs and sends one envelope (request_id set by the caller). */
 int raw_send(int fd, Normd__Envelope *env);
+/* Like raw_send, with `pass_fd` attached by SCM_RIGHTS to the frame's first byte. */
+int raw_send_with_fd(int fd, Normd__Envelope *env, int pass_fd);
+/* Appends one packed frame to buf (cap bytes, *len used); returns 0 or -1. */
+int raw_pack_into(Normd__Envelope *env, uint8_t *buf, size_t cap, size_t *len);
 /* Sends Hello (request id 1) and reads the HelloReply; returns 0 or -1. */
 int raw_hello(int fd);
 /* Reads one envelope within timeout_ms; NULL on timeout, EOF or garbage. */

@@ -177,6 +177,20 @@ class NcDeviceStats(ctypes.Structure):
     ]
 
 
+class NcLimits(ctypes.Structure):
+    """struct nc_limits."""
+
+    _fields_ = [
+        ("max_clients", ctypes.c_uint32),
+        ("max_frame", ctypes.c_uint32),
+        ("max_regions", ctypes.c_uint32),
+        ("max_jobs_in_flight", ctypes.c_uint32),
+        ("max_mapped_bytes", ctypes.c_uint64),
+        ("max_output_bytes", ctypes.c_uint64),
+        ("max_cols", ctypes.c_uint64),
+    ]
+
+
 class NcStats(ctypes.Structure):
     """struct nc_stats."""
 
@@ -196,6 +210,8 @@ class NcStats(ctypes.Structure):
         ("ops", NcOpStats * STATS_OPS),
         ("device_count", ctypes.c_uint32),
         ("devices", NcDeviceStats * STATS_DEVICES),
+        ("rejections", ctypes.c_uint64 * 32),  # by enum nc_reject_reason
+        ("limits", NcLimits),
     ]
 
 
@@ -223,6 +239,7 @@ STRUCTS = {
     "nc_server_info": NcServerInfo,
     "nc_op_stats": NcOpStats,
     "nc_device_stats": NcDeviceStats,
+    "nc_limits": NcLimits,
     "nc_stats": NcStats,
     "nc_variant_info": NcVariantInfo,
 }
