@@ -28,6 +28,14 @@ def normd_bin():
     return path if path.is_absolute() else REPO / path
 
 
+def _die_with_parent():
+    """In the forked child: SIGTERM it if the test process dies (no orphan daemons)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Daemon:
     """A normd --device cpu process on a private socket."""
 
@@ -38,9 +46,12 @@ class Daemon:
         argv = [str(normd_bin()), "--config", "/dev/null", "--device", "cpu", "--socket",
                 self.socket, "--state-dir", self.dir, "--log-level", "debug", *extra]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 10
-        while not os.path.exists(self.socket):
+        # The socket file exists from bind(); the daemon serves (and handles
+        # SIGTERM) once it has logged event=listening.
+        while not os.path.exists(self.socket) or "event=listening" not in self.log():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("normd did not start:\n" + self.log())

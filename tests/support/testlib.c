@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -70,6 +71,8 @@ int test_daemon_start_on(struct test_daemon *d, const char *device, const char *
 	if (d->pid < 0)
 		return -1;
 	if (d->pid == 0) {
+		/* A test killed by its timeout must not leave its daemon behind. */
+		prctl(PR_SET_PDEATHSIG, SIGTERM);
 		int log = open(d->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
 		if (log >= 0)
 			dup2(log, STDERR_FILENO);
