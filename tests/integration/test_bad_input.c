@@ -20,32 +20,7 @@
 #include "client/tools/jobkit.h"
 #include "normclient.h"
 #include "proto/frame.h"
-#include "tests/support/testlib.h"
-
-static struct test_daemon daemon_;
-
-static int start_daemon(void **state)
-{
-	(void)state;
-	return test_daemon_start(&daemon_, NULL);
-}
-
-/* How the group's daemon exited: cmocka does not fail a program for its teardown. */
-static int daemon_exit = -1;
-
-static int stop_daemon(void **state)
-{
-	(void)state;
-	daemon_exit = test_daemon_stop(&daemon_);
-	return daemon_exit == 0 ? 0 : -1;
-}
-
-/* After every case: the daemon is up and serves a well-behaved client. */
-static void assert_others_unharmed(void)
-{
-	assert_true(test_daemon_alive(&daemon_));
-	assert_true(good_client_works(daemon_.socket));
-}
+#include "tests/support/group.h"
 
 /* Reads the Result the daemon sends and checks its status and message. */
 static void expect_result(int fd, Normd__Status status)
@@ -62,7 +37,7 @@ static void expect_result(int fd, Normd__Status status)
 static void test_garbage_frame(void **state)
 {
 	(void)state;
-	int fd = raw_connect(daemon_.socket);
+	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	assert_int_equal(raw_hello(fd), 0);
 	static const uint8_t garbage[] = {12, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
@@ -77,7 +52,7 @@ static void test_garbage_frame(void **state)
 static void test_frame_over_limit(void **state)
 {
 	(void)state;
-	int fd = raw_connect(daemon_.socket);
+	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	assert_int_equal(raw_hello(fd), 0);
 	/* Announce 1 GiB and send nothing more: refused from the length alone. */
@@ -92,7 +67,7 @@ static void test_frame_over_limit(void **state)
 static void test_request_before_hello(void **state)
 {
 	(void)state;
-	int fd = raw_connect(daemon_.socket);
+	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	Normd__Ping ping = NORMD__PING__INIT;
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
@@ -108,7 +83,7 @@ static void test_request_before_hello(void **state)
 static void test_wrong_protocol_version(void **state)
 {
 	(void)state;
-	int fd = raw_connect(daemon_.socket);
+	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	Normd__Hello hello = NORMD__HELLO__INIT;
 	hello.protocol_version = 999;
@@ -125,7 +100,7 @@ static void test_wrong_protocol_version(void **state)
 static void test_register_without_fd(void **state)
 {
 	(void)state;
-	int fd = raw_connect(daemon_.socket);
+	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	assert_int_equal(raw_hello(fd), 0);
 	Normd__RegisterRegion reg = NORMD__REGISTER_REGION__INIT;
@@ -147,7 +122,7 @@ static void test_memfd_smaller_than_claimed(void **state)
 {
 	(void)state;
 	nc_conn *conn;
-	assert_int_equal(nc_connect(daemon_.socket, "liar", 5000, &conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "liar", 5000, &conn), NC_OK);
 	int fd = memfd_create("small", MFD_CLOEXEC | MFD_ALLOW_SEALING);
 	assert_true(fd >= 0);
 	assert_int_equal(ftruncate(fd, 4096), 0);
@@ -169,7 +144,7 @@ struct job_case {
 
 static void job_case_open(struct job_case *jc)
 {
-	assert_int_equal(nc_connect(daemon_.socket, "bad-jobs", 5000, &jc->conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "bad-jobs", 5000, &jc->conn), NC_OK);
 	struct jobkit_spec spec = {.op = NC_LAYERNORM_FWD, .rows = 8, .cols = 64, .dtype = NC_F32,
 				   .gamma = true, .beta = true, .seed = 3};
 	assert_int_equal(jobkit_create(jc->conn, &spec, &jc->kit), NC_OK);
@@ -252,7 +227,7 @@ static void test_other_clients_region(void **state)
 	(void)state;
 	struct job_case owner, thief;
 	job_case_open(&owner);
-	assert_int_equal(nc_connect(daemon_.socket, "thief", 5000, &thief.conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "thief", 5000, &thief.conn), NC_OK);
 	/* The thief names the owner's region id without registering anything. */
 	expect_job_status(&thief, &owner.kit.job, NC_ENOT_FOUND, "not registered");
 	nc_close(thief.conn);
@@ -266,7 +241,7 @@ static void test_unregister_twice(void **state)
 	(void)state;
 	struct job_case jc;
 	job_case_open(&jc);
-	int fd = raw_connect(daemon_.socket);
+	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	assert_int_equal(raw_hello(fd), 0);
 	Normd__UnregisterRegion unreg = NORMD__UNREGISTER_REGION__INIT;
@@ -297,8 +272,5 @@ int main(void)
 		cmocka_unit_test(test_other_clients_region),
 		cmocka_unit_test(test_unregister_twice),
 	};
-	int failed = cmocka_run_group_tests(tests, start_daemon, stop_daemon);
-	if (daemon_exit != 0)
-		fprintf(stderr, "normd exited with status %d\n", daemon_exit);
-	return failed || daemon_exit != 0;
+	return test_run_group(tests, NULL);
 }

@@ -28,26 +28,7 @@
 #include "client/tools/jobkit.h"
 #include "normclient.h"
 #include "proto/frame.h"
-#include "tests/support/testlib.h"
-
-static struct test_daemon daemon_;
-
-static int start_daemon(void **state)
-{
-	(void)state;
-	static const char *const extra[] = {"--cpu-workers", "1", "--cpu-threads", "1", NULL};
-	return test_daemon_start(&daemon_, extra);
-}
-
-/* How the group's daemon exited: cmocka does not fail a program for its teardown. */
-static int daemon_exit = -1;
-
-static int stop_daemon(void **state)
-{
-	(void)state;
-	daemon_exit = test_daemon_stop(&daemon_);
-	return daemon_exit == 0 ? 0 : -1;
-}
+#include "tests/support/group.h"
 
 static void sleep_ms(int ms)
 {
@@ -66,17 +47,17 @@ static void take_snapshot(struct snapshot *s)
 {
 	nc_conn *conn;
 	struct nc_stats stats;
-	assert_int_equal(nc_connect(daemon_.socket, "observer", 5000, &conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "observer", 5000, &conn), NC_OK);
 	assert_int_equal(nc_stats_get(conn, 5000, &stats), NC_OK);
 	/* The daemon's fds without the observer's own socket. */
-	s->fds = test_daemon_fd_count(&daemon_) - 1;
+	s->fds = test_daemon_fd_count(&group_daemon) - 1;
 	s->clients = stats.clients;
 	s->regions = stats.regions;
 	s->jobs_in_flight = stats.jobs_in_flight;
 	s->mapped_bytes = stats.mapped_bytes;
 	nc_close(conn);
 	/* Let the daemon see the observer go, so that the tests count only their own fds. */
-	for (int i = 0; i < 100 && test_daemon_fd_count(&daemon_) != s->fds; i++)
+	for (int i = 0; i < 100 && test_daemon_fd_count(&group_daemon) != s->fds; i++)
 		sleep_ms(10);
 }
 
@@ -102,8 +83,8 @@ static void assert_back_to(const struct snapshot *base)
 			 now.fds, base->fds, now.clients, base->clients, now.regions, base->regions,
 			 (unsigned long long)now.mapped_bytes, (unsigned long long)base->mapped_bytes,
 			 now.jobs_in_flight, base->jobs_in_flight);
-	assert_true(test_daemon_alive(&daemon_));
-	assert_true(good_client_works(daemon_.socket));
+	assert_true(test_daemon_alive(&group_daemon));
+	assert_true(good_client_works(group_daemon.socket));
 }
 
 static int make_memfd(size_t bytes)
@@ -155,7 +136,7 @@ static void test_dies_mid_frame(void **state)
 	(void)state;
 	struct snapshot base;
 	take_snapshot(&base);
-	int fd = raw_connect(daemon_.socket);
+	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	assert_int_equal(raw_hello(fd), 0);
 	uint8_t half[4 + 50] = {100, 0, 0, 0};
@@ -171,7 +152,7 @@ static void test_dies_with_fd_in_flight(void **state)
 	(void)state;
 	struct snapshot base;
 	take_snapshot(&base);
-	int fd = raw_connect(daemon_.socket);
+	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	assert_int_equal(raw_hello(fd), 0);
 	size_t len;
@@ -181,9 +162,9 @@ static void test_dies_with_fd_in_flight(void **state)
 	close(memfd);
 	nc__free(frame);
 	/* The daemon holds the fd while it waits for the rest of the frame. */
-	for (int i = 0; i < 200 && test_daemon_fd_count(&daemon_) < base.fds + 2; i++)
+	for (int i = 0; i < 200 && test_daemon_fd_count(&group_daemon) < base.fds + 2; i++)
 		sleep_ms(10);
-	assert_int_equal(test_daemon_fd_count(&daemon_), base.fds + 2); /* socket + memfd */
+	assert_int_equal(test_daemon_fd_count(&group_daemon), base.fds + 2); /* socket + memfd */
 	close(fd);
 	assert_back_to(&base);
 }
@@ -195,7 +176,7 @@ static void test_fd_flood(void **state)
 	enum { FDS = 24 };
 	struct snapshot base;
 	take_snapshot(&base);
-	int sock = raw_connect(daemon_.socket);
+	int sock = raw_connect(group_daemon.socket);
 	assert_true(sock >= 0);
 	assert_int_equal(raw_hello(sock), 0);
 	int fds[FDS];
@@ -216,7 +197,7 @@ static void test_fd_flood(void **state)
 		assert_non_null(reply);
 		assert_int_equal(reply->body_case, NORMD__ENVELOPE__BODY_PONG);
 		nc__envelope_free(reply);
-		int held = test_daemon_fd_count(&daemon_) - base.fds;
+		int held = test_daemon_fd_count(&group_daemon) - base.fds;
 		/* Its socket and at most 8 waiting fds. */
 		if (held < 1 || held > 1 + 8)
 			fail_msg("the daemon holds %d fds for this client", held);
@@ -239,7 +220,7 @@ static void test_dies_while_registering(void **state)
 	pid_t pid = fork();
 	assert_true(pid >= 0);
 	if (pid == 0) {
-		int sock = raw_connect(daemon_.socket);
+		int sock = raw_connect(group_daemon.socket);
 		if (sock < 0 || raw_hello(sock))
 			_exit(2);
 		for (uint64_t id = 1; id <= 4; id++) {
@@ -269,7 +250,7 @@ static void test_dies_while_registering(void **state)
 	/* The daemon holds at least the two acknowledged regions. */
 	nc_conn *conn;
 	struct nc_stats stats;
-	assert_int_equal(nc_connect(daemon_.socket, "observer", 5000, &conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "observer", 5000, &conn), NC_OK);
 	assert_int_equal(nc_stats_get(conn, 5000, &stats), NC_OK);
 	assert_true(stats.regions >= base.regions + 2);
 	assert_true(stats.mapped_bytes >= base.mapped_bytes + (2u << 20));
@@ -300,7 +281,7 @@ static void test_dies_mid_job(void **state)
 		struct jobkit kit;
 		struct jobkit_spec spec = {.op = NC_LAYERNORM_BWD, .rows = 1000, .cols = 4096,
 					   .dtype = NC_F32, .gamma = true, .beta = true, .seed = 4};
-		if (nc_connect(daemon_.socket, "doomed", 5000, &conn) ||
+		if (nc_connect(group_daemon.socket, "doomed", 5000, &conn) ||
 		    jobkit_create(conn, &spec, &kit))
 			_exit(2);
 		uint64_t id;
@@ -332,7 +313,7 @@ static void test_dies_before_reading_replies(void **state)
 	struct snapshot base;
 	take_snapshot(&base);
 	for (int round = 0; round < 5; round++) {
-		int sock = raw_connect(daemon_.socket);
+		int sock = raw_connect(group_daemon.socket);
 		assert_true(sock >= 0);
 		assert_int_equal(raw_hello(sock), 0);
 		uint8_t buf[8192];
@@ -362,8 +343,6 @@ int main(void)
 		cmocka_unit_test(test_dies_mid_job),
 		cmocka_unit_test(test_dies_before_reading_replies),
 	};
-	int failed = cmocka_run_group_tests(tests, start_daemon, stop_daemon);
-	if (daemon_exit != 0)
-		fprintf(stderr, "normd exited with status %d\n", daemon_exit);
-	return failed || daemon_exit != 0;
+	static const char *const extra[] = {"--cpu-workers", "1", "--cpu-threads", "1", NULL};
+	return test_run_group(tests, extra);
 }

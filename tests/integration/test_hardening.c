@@ -25,34 +25,10 @@
 #include "client/tools/jobkit.h"
 #include "normclient.h"
 #include "proto/frame.h"
-#include "tests/support/testlib.h"
+#include "tests/support/group.h"
 
 #define REGION_ID 5
 #define REGION_BYTES 65536
-
-static struct test_daemon daemon_;
-
-static int start_daemon(void **state)
-{
-	(void)state;
-	return test_daemon_start(&daemon_, NULL);
-}
-
-/* How the group's daemon exited: cmocka does not fail a program for its teardown. */
-static int daemon_exit = -1;
-
-static int stop_daemon(void **state)
-{
-	(void)state;
-	daemon_exit = test_daemon_stop(&daemon_);
-	return daemon_exit == 0 ? 0 : -1;
-}
-
-static void assert_others_unharmed(void)
-{
-	assert_true(test_daemon_alive(&daemon_));
-	assert_true(good_client_works(daemon_.socket));
-}
 
 /* A raw connection that has said Hello (and maybe registered REGION_ID). */
 struct raw {
@@ -62,7 +38,7 @@ struct raw {
 
 static void raw_open(struct raw *r)
 {
-	r->fd = raw_connect(daemon_.socket);
+	r->fd = raw_connect(group_daemon.socket);
 	assert_true(r->fd >= 0);
 	assert_int_equal(raw_hello(r->fd), 0);
 	r->next_id = 100;
@@ -190,7 +166,7 @@ static void bytes_expect_close(const uint8_t *body, size_t len, bool hello_first
 	if (hello_first) {
 		raw_open(&r);
 	} else {
-		r.fd = raw_connect(daemon_.socket);
+		r.fd = raw_connect(group_daemon.socket);
 		assert_true(r.fd >= 0);
 	}
 	uint8_t header[NC__FRAME_HEADER_BYTES] = {(uint8_t)len, (uint8_t)(len >> 8),
@@ -272,7 +248,7 @@ static void test_wrong_wire_type(void **state)
 static void test_job_before_hello(void **state)
 {
 	(void)state;
-	struct raw r = {.fd = raw_connect(daemon_.socket), .next_id = 3};
+	struct raw r = {.fd = raw_connect(group_daemon.socket), .next_id = 3};
 	assert_true(r.fd >= 0);
 	struct job_msg m;
 	job_msg_init(&m);
@@ -572,7 +548,7 @@ static void test_rejections_counted(void **state)
 	(void)state;
 	nc_conn *conn;
 	struct nc_stats before, after;
-	assert_int_equal(nc_connect(daemon_.socket, "counter", 5000, &conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "counter", 5000, &conn), NC_OK);
 	assert_int_equal(nc_stats_get(conn, 5000, &before), NC_OK);
 	struct raw r;
 	raw_open_with_region(&r);
@@ -627,8 +603,5 @@ int main(void)
 		cmocka_unit_test(test_cuda_ipc_handle_length),
 		cmocka_unit_test(test_rejections_counted),
 	};
-	int failed = cmocka_run_group_tests(tests, start_daemon, stop_daemon);
-	if (daemon_exit != 0)
-		fprintf(stderr, "normd exited with status %d\n", daemon_exit);
-	return failed || daemon_exit != 0;
+	return test_run_group(tests, NULL);
 }

@@ -21,33 +21,12 @@
 
 #include "client/tools/jobkit.h"
 #include "normclient.h"
-#include "tests/support/testlib.h"
-
-static struct test_daemon daemon_;
-
-static int start_daemon(void **state)
-{
-	(void)state;
-	static const char *const extra[] = {"--cpu-workers", "2", "--cpu-threads", "1", NULL};
-	return test_daemon_start(&daemon_, extra);
-}
-
-/* How the group's daemon exited: cmocka does not fail a program for its teardown. */
-static int daemon_exit = -1;
-
-static int stop_daemon(void **state)
-{
-	(void)state;
-	daemon_exit = test_daemon_stop(&daemon_);
-	if (daemon_exit != 0)
-		fprintf(stderr, "normd exited with %d\n", daemon_exit);
-	return daemon_exit == 0 ? 0 : -1;
-}
+#include "tests/support/group.h"
 
 static nc_conn *connect_or_fail(void)
 {
 	nc_conn *conn = NULL;
-	int rc = nc_connect(daemon_.socket, "test_jobs", 5000, &conn);
+	int rc = nc_connect(group_daemon.socket, "test_jobs", 5000, &conn);
 	if (rc)
 		fprintf(stderr, "connect: %s\n", nc_last_error());
 	assert_int_equal(rc, NC_OK);
@@ -93,7 +72,7 @@ static void test_many_processes(void **state)
 		assert_true(pids[p] >= 0);
 		if (pids[p] == 0) {
 			nc_conn *conn;
-			if (nc_connect(daemon_.socket, "child", 5000, &conn))
+			if (nc_connect(group_daemon.socket, "child", 5000, &conn))
 				_exit(2);
 			int bad = 0;
 			for (int i = 0; i < 12; i++) {
@@ -234,7 +213,7 @@ static void test_client_dies_mid_job(void **state)
 		struct jobkit kit;
 		struct jobkit_spec spec = {.op = NC_LAYERNORM_FWD, .rows = 2000, .cols = 4096,
 					   .dtype = NC_F32, .gamma = true, .beta = true, .seed = 9};
-		if (nc_connect(daemon_.socket, "doomed", 5000, &conn) ||
+		if (nc_connect(group_daemon.socket, "doomed", 5000, &conn) ||
 		    jobkit_create(conn, &spec, &kit))
 			_exit(2);
 		uint64_t id;
@@ -245,8 +224,8 @@ static void test_client_dies_mid_job(void **state)
 	int status;
 	waitpid(pid, &status, 0);
 	assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-	assert_true(good_client_works(daemon_.socket));
-	assert_true(test_daemon_alive(&daemon_));
+	assert_true(good_client_works(group_daemon.socket));
+	assert_true(test_daemon_alive(&group_daemon));
 
 	/* Everything the dead client held is released once its jobs end. */
 	nc_conn *conn = connect_or_fail();
@@ -274,6 +253,6 @@ int main(void)
 		cmocka_unit_test(test_threads_share_connection),
 		cmocka_unit_test(test_client_dies_mid_job),
 	};
-	int failed = cmocka_run_group_tests(tests, start_daemon, stop_daemon);
-	return failed || daemon_exit != 0;
+	static const char *const extra[] = {"--cpu-workers", "2", "--cpu-threads", "1", NULL};
+	return test_run_group(tests, extra);
 }

@@ -23,7 +23,7 @@
 
 #include "normclient.h"
 #include "proto/frame.h"
-#include "tests/support/testlib.h"
+#include "tests/support/group.h"
 
 #define MAX_REGIONS 3
 #define MAX_MAPPED (1024 * 1024)
@@ -32,41 +32,10 @@
 #define MAX_OUTPUT 4096
 #define MAX_FRAME 4096
 
-static struct test_daemon daemon_;
-
-static int start_daemon(void **state)
-{
-	(void)state;
-	static const char *const extra[] = {
-		"--max-regions", "3",	       "--max-mapped-bytes", "1048576",
-		"--max-jobs-in-flight", "2",   "--max-clients", "3",
-		"--max-output-bytes", "4096",  "--max-frame", "4096",
-		"--cpu-workers", "1",	       "--cpu-threads", "1",
-		NULL,
-	};
-	return test_daemon_start(&daemon_, extra);
-}
-
-/* How the group's daemon exited: cmocka does not fail a program for its teardown. */
-static int daemon_exit = -1;
-
-static int stop_daemon(void **state)
-{
-	(void)state;
-	daemon_exit = test_daemon_stop(&daemon_);
-	return daemon_exit == 0 ? 0 : -1;
-}
-
 static void sleep_ms(int ms)
 {
 	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
 	nanosleep(&ts, NULL);
-}
-
-static void assert_others_unharmed(void)
-{
-	assert_true(test_daemon_alive(&daemon_));
-	assert_true(good_client_works(daemon_.socket));
 }
 
 /* The daemon's rejection counters (on a connection of its own, closed again). */
@@ -74,7 +43,7 @@ static void get_rejections(uint64_t out[NC_REJECT_COUNT])
 {
 	nc_conn *conn = NULL;
 	struct nc_stats stats;
-	assert_int_equal(nc_connect(daemon_.socket, "stats", 5000, &conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "stats", 5000, &conn), NC_OK);
 	assert_int_equal(nc_stats_get(conn, 5000, &stats), NC_OK);
 	memcpy(out, stats.rejections, sizeof(uint64_t) * NC_REJECT_COUNT);
 	nc_close(conn);
@@ -97,17 +66,17 @@ static void assert_rejected(const uint64_t before[NC_REJECT_COUNT], int reason, 
 /* Closes a connection and waits until the daemon has closed its end too. */
 static void close_and_wait(int fd)
 {
-	int before = test_daemon_fd_count(&daemon_);
+	int before = test_daemon_fd_count(&group_daemon);
 	assert_true(before > 0);
 	close(fd);
-	for (int i = 0; i < 500 && test_daemon_fd_count(&daemon_) >= before; i++)
+	for (int i = 0; i < 500 && test_daemon_fd_count(&group_daemon) >= before; i++)
 		sleep_ms(10);
-	assert_true(test_daemon_fd_count(&daemon_) < before);
+	assert_true(test_daemon_fd_count(&group_daemon) < before);
 }
 
 static int raw_open(void)
 {
-	int fd = raw_connect(daemon_.socket);
+	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	assert_int_equal(raw_hello(fd), 0);
 	return fd;
@@ -165,7 +134,7 @@ static void test_limits_reported(void **state)
 	(void)state;
 	nc_conn *conn;
 	struct nc_stats stats;
-	assert_int_equal(nc_connect(daemon_.socket, "limits", 5000, &conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "limits", 5000, &conn), NC_OK);
 	assert_int_equal(nc_stats_get(conn, 5000, &stats), NC_OK);
 	assert_int_equal(stats.limits.max_regions, MAX_REGIONS);
 	assert_int_equal(stats.limits.max_mapped_bytes, MAX_MAPPED);
@@ -295,19 +264,19 @@ static void test_limit_clients(void **state)
 	for (int i = 0; i < MAX_CLIENTS; i++)
 		fds[i] = raw_open();
 	/* One too many: a Result at once, then the close. */
-	int extra = raw_connect(daemon_.socket);
+	int extra = raw_connect(group_daemon.socket);
 	assert_true(extra >= 0);
 	expect_result(extra, 0, NORMD__STATUS__RESOURCE_EXHAUSTED, "max_clients");
 	assert_true(raw_closed(extra, 5000));
 	close(extra);
 	/* The library reports the refusal with the daemon's words. */
 	nc_conn *conn = NULL;
-	assert_int_equal(nc_connect(daemon_.socket, "one-too-many", 5000, &conn),
+	assert_int_equal(nc_connect(group_daemon.socket, "one-too-many", 5000, &conn),
 			 NC_ERESOURCE_EXHAUSTED);
 	assert_non_null(strstr(nc_last_error(), "max_clients"));
 	/* A slot freed is a slot usable again. */
 	close_and_wait(fds[0]);
-	assert_int_equal(nc_connect(daemon_.socket, "next", 5000, &conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "next", 5000, &conn), NC_OK);
 	assert_int_equal(nc_ping(conn, 5000), NC_OK);
 	nc_close(conn);
 	for (int i = 1; i < MAX_CLIENTS; i++)
@@ -348,7 +317,7 @@ static void test_frame_size_boundary(void **state)
 	get_rejections(before);
 	size_t len;
 	uint8_t *frame = hello_of_size(MAX_FRAME, &len);
-	int fd = raw_connect(daemon_.socket);
+	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	assert_int_equal(raw_write(fd, frame, len), 0);
 	Normd__Envelope *env = raw_recv(fd, 5000);
@@ -359,7 +328,7 @@ static void test_frame_size_boundary(void **state)
 	nc__free(frame);
 
 	frame = hello_of_size(MAX_FRAME + 1, &len);
-	fd = raw_connect(daemon_.socket);
+	fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	/* The header alone is refused; the body is never read. */
 	assert_int_equal(raw_write(fd, frame, NC__FRAME_HEADER_BYTES), 0);
@@ -439,7 +408,7 @@ static void test_slow_reader_is_dropped(void **state)
 	assert_true(batches < BATCHES);
 	assert_true(raw_closed(fd, 10000));
 	close(fd);
-	assert_true(test_daemon_log_contains(&daemon_, "event=output_cap"));
+	assert_true(test_daemon_log_contains(&group_daemon, "event=output_cap"));
 	assert_rejected(before, NC_REJECT_OUTPUT_CAP, 1);
 	assert_others_unharmed();
 }
@@ -462,7 +431,7 @@ static void test_normctl_reports_rejections(void **state)
 	(void)state;
 	const char *normctl = getenv("NORMCTL_BIN") ? getenv("NORMCTL_BIN") : "build/bin/normctl";
 	char command[512], out[16384];
-	snprintf(command, sizeof(command), "%s --socket %s stats", normctl, daemon_.socket);
+	snprintf(command, sizeof(command), "%s --socket %s stats", normctl, group_daemon.socket);
 	assert_int_equal(capture(command, out, sizeof(out)), 0);
 	static const char *const expected[] = {
 		"limits           3 clients; per connection: frame 4096 B, 3 regions, 1048576 B mapped, "
@@ -474,7 +443,7 @@ static void test_normctl_reports_rejections(void **state)
 		if (!strstr(out, expected[i]))
 			fail_msg("normctl stats lacks \"%s\":\n%s", expected[i], out);
 	}
-	snprintf(command, sizeof(command), "%s --socket %s stats --json", normctl, daemon_.socket);
+	snprintf(command, sizeof(command), "%s --socket %s stats --json", normctl, group_daemon.socket);
 	assert_int_equal(capture(command, out, sizeof(out)), 0);
 	assert_non_null(strstr(out, "\"limit_clients\":2"));
 	assert_non_null(strstr(out, "\"max_regions\":3"));
@@ -493,8 +462,12 @@ int main(void)
 		cmocka_unit_test(test_slow_reader_is_dropped),
 		cmocka_unit_test(test_normctl_reports_rejections),
 	};
-	int failed = cmocka_run_group_tests(tests, start_daemon, stop_daemon);
-	if (daemon_exit != 0)
-		fprintf(stderr, "normd exited with status %d\n", daemon_exit);
-	return failed || daemon_exit != 0;
+	static const char *const extra[] = {
+		"--max-regions", "3",	       "--max-mapped-bytes", "1048576",
+		"--max-jobs-in-flight", "2",   "--max-clients", "3",
+		"--max-output-bytes", "4096",  "--max-frame", "4096",
+		"--cpu-workers", "1",	       "--cpu-threads", "1",
+		NULL,
+	};
+	return test_run_group(tests, extra);
 }

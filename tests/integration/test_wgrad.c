@@ -15,31 +15,13 @@
 
 #include "client/tools/jobkit.h"
 #include "normclient.h"
-#include "tests/support/testlib.h"
-
-static struct test_daemon daemon_;
-
-static int start_daemon(void **state)
-{
-	(void)state;
-	return test_daemon_start(&daemon_, NULL);
-}
-
-/* How the group's daemon exited: cmocka does not fail a program for its teardown. */
-static int daemon_exit = -1;
-
-static int stop_daemon(void **state)
-{
-	(void)state;
-	daemon_exit = test_daemon_stop(&daemon_);
-	return daemon_exit == 0 ? 0 : -1;
-}
+#include "tests/support/group.h"
 
 static void test_shapes_against_reference(void **state)
 {
 	(void)state;
 	nc_conn *conn;
-	assert_int_equal(nc_connect(daemon_.socket, "wgrad", 5000, &conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "wgrad", 5000, &conn), NC_OK);
 	static const uint64_t shapes[][3] = {
 		{1, 1, 1}, {3, 5, 7}, {17, 33, 9}, {64, 127, 65}, {513, 384, 257}, {1024, 512, 768},
 	};
@@ -68,7 +50,7 @@ static void test_accumulate_twice(void **state)
 {
 	(void)state;
 	nc_conn *conn;
-	assert_int_equal(nc_connect(daemon_.socket, "wgrad-twice", 5000, &conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "wgrad-twice", 5000, &conn), NC_OK);
 	struct jobkit kit, once;
 	struct jobkit_spec spec = {.op = NC_WGRAD_ACCUM, .rows = 40, .cols = 24, .out_features = 16,
 				   .dtype = NC_F32, .accumulate = true, .seed = 77};
@@ -110,7 +92,7 @@ static void test_bad_wgrad_jobs(void **state)
 {
 	(void)state;
 	nc_conn *conn;
-	assert_int_equal(nc_connect(daemon_.socket, "wgrad-bad", 5000, &conn), NC_OK);
+	assert_int_equal(nc_connect(group_daemon.socket, "wgrad-bad", 5000, &conn), NC_OK);
 	struct jobkit kit;
 	struct jobkit_spec spec = {.op = NC_WGRAD_ACCUM, .rows = 8, .cols = 16, .out_features = 4,
 				   .dtype = NC_BF16, .accumulate = true, .seed = 5};
@@ -139,7 +121,7 @@ static void test_bad_wgrad_jobs(void **state)
 	assert_true(jobkit_check(&kit, &report));
 	jobkit_destroy(&kit);
 	nc_close(conn);
-	assert_true(good_client_works(daemon_.socket));
+	assert_true(good_client_works(group_daemon.socket));
 }
 
 int main(void)
@@ -149,8 +131,5 @@ int main(void)
 		cmocka_unit_test(test_accumulate_twice),
 		cmocka_unit_test(test_bad_wgrad_jobs),
 	};
-	int failed = cmocka_run_group_tests(tests, start_daemon, stop_daemon);
-	if (daemon_exit != 0)
-		fprintf(stderr, "normd exited with status %d\n", daemon_exit);
-	return failed || daemon_exit != 0;
+	return test_run_group(tests, NULL);
 }
