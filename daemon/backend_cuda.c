@@ -37,6 +37,8 @@
 #define AUTOTUNE_CANDIDATES 16
 #define AUTOTUNE_REPS 5
 #define CUBLAS_WORKSPACE_BYTES (32u << 20)
+#define DONE_EVENTS 32          /* per worker; reused round robin (see worker_early_reply) */
+#define OPENED_EVENTS 256       /* clients' wait events kept open per device */
 
 struct cuda_device;
 
@@ -50,6 +52,9 @@ struct cuda_worker {
 	uint32_t *clamped;         /* pinned host word the kernels write */
 	struct nk_cublas *cublas;  /* WGRAD_ACCUM: made on first use */
 	void *cublas_workspace;
+	cudaEvent_t done[DONE_EVENTS]; /* interprocess events for early replies */
+	uint8_t done_handle[DONE_EVENTS][64];
+	unsigned done_count, done_next; /* made on first use, then round robin */
 };
 
 struct cuda_device {
@@ -62,6 +67,12 @@ struct cuda_device {
 	uv_cond_t wake;
 	struct job *head, *tail;
 	atomic_uint queued;        /* jobs in the queue, for spinning workers to watch */
+	uv_mutex_t events_lock;    /* the opened clients' events below */
+	struct opened_event {
+		uint8_t handle[64];
+		cudaEvent_t event;
+	} opened[OPENED_EVENTS];
+	unsigned opened_count, opened_next;
 	bool stopping;
 	struct cuda_worker workers[CUDA_MAX_WORKERS];
 	int workers_wanted;        /* config: cuda_workers */
@@ -353,6 +364,98 @@ static void worker_fail(struct job *job, int status, const char *fmt, const char
 	snprintf(job->message, sizeof(job->message), fmt, detail);
 }
 
+/* ---- the IPC-event completion mode --------------------------------------------------- */
+
+/*
+ * The client's wait event, opened once and kept (up to OPENED_EVENTS per
+ * device, the oldest closed first). NULL if the handle does not open.
+ */
+static cudaEvent_t device_open_event(struct cuda_device *dev, const uint8_t handle[64])
+{
+	cudaEvent_t event = NULL;
+	uv_mutex_lock(&dev->events_lock);
+	for (unsigned i = 0; i < dev->opened_count; i++) {
+		if (!memcmp(dev->opened[i].handle, handle, 64)) {
+			event = dev->opened[i].event;
+			goto out;
+		}
+	}
+	cudaIpcEventHandle_t h;
+	memcpy(&h, handle, sizeof(h));
+	if (cudaIpcOpenEventHandle(&event, h) != cudaSuccess) {
+		cudaGetLastError();
+		event = NULL;
+		goto out;
+	}
+	unsigned slot = dev->opened_count < OPENED_EVENTS ? dev->opened_count++
+							   : dev->opened_next++ % OPENED_EVENTS;
+	if (dev->opened[slot].event)
+		cudaEventDestroy(dev->opened[slot].event);
+	memcpy(dev->opened[slot].handle, handle, 64);
+	dev->opened[slot].event = event;
+out:
+	uv_mutex_unlock(&dev->events_lock);
+	return event;
+}
+
+/* Makes the worker's stream wait for the client's event; 0 or a status. */
+static int worker_wait_client(struct cuda_worker *w, struct job *job)
+{
+	if (!job->has_wait_event)
+		return 0;
+	cudaEvent_t event = device_open_event(w->dev, job->wait_event);
+	if (!event) {
+		worker_fail(job, NC_EINVALID_ARGUMENT, "%s",
+			    "wait_event: cannot open the CUDA IPC event handle");
+		return job->status;
+	}
+	if (cudaStreamWaitEvent(w->stream, event, 0) != cudaSuccess) {
+		cudaGetLastError();
+		worker_fail(job, NC_EDEVICE_ERROR, "%s", "cudaStreamWaitEvent on wait_event failed");
+		return job->status;
+	}
+	return 0;
+}
+
+/*
+ * Records a done event after the job on the worker's stream and posts the
+ * job's reply now, naming that event, so the client's stream can wait for
+ * the job without its CPU waiting. The worker then waits for the job as
+ * usual before the job's memory is released. A done event is re-recorded
+ * DONE_EVENTS jobs later on the same stream: a client that waits on it only
+ * then waits for later work of that stream too, never for less.
+ */
+static void worker_early_reply(struct cuda_worker *w, struct job *job)
+{
+	if (!job->early_reply)
+		return;
+	if (w->done_count < DONE_EVENTS) {
+		cudaIpcEventHandle_t h;
+		if (cudaEventCreateWithFlags(&w->done[w->done_count],
+					     cudaEventInterprocess | cudaEventDisableTiming) !=
+			    cudaSuccess ||
+		    cudaIpcGetEventHandle(&h, w->done[w->done_count]) != cudaSuccess) {
+			cudaGetLastError();
+			return; /* no early reply: the job is answered when done */
+		}
+		memcpy(w->done_handle[w->done_count++], &h, 64);
+	}
+	unsigned slot = w->done_next++ % w->done_count;
+	struct job *notice = nc__calloc(1, sizeof(*notice));
+	if (!notice || cudaEventRecord(w->done[slot], w->stream) != cudaSuccess) {
+		nc__free(notice);
+		return;
+	}
+	notice->notice = true;
+	notice->client = job->client;
+	notice->request_id = job->request_id;
+	notice->status = NC_OK;
+	memcpy(notice->done_event, w->done_handle[slot], 64);
+	snprintf(notice->variant, sizeof(notice->variant), "%s", job->variant);
+	job->replied = true;
+	job_post_completion(notice);
+}
+
 /* Runs a WGRAD_ACCUM job through cuBLAS on the worker's stream. */
 static void worker_run_wgrad(struct cuda_worker *w, struct job *job)
 {
@@ -372,9 +475,15 @@ static void worker_run_wgrad(struct cuda_worker *w, struct job *job)
 								      : NC_EDEVICE_ERROR,
 					   "%s", why);
 	}
+	if (worker_wait_client(w, job))
+		return;
 	cudaEventRecord(w->ev_start, w->stream);
 	int rc = nk_cublas_wgrad(w->cublas, &job->gemm, &why);
 	cudaEventRecord(w->ev_stop, w->stream);
+	snprintf(job->variant, sizeof(job->variant), "cublas/gemm_ex/%s",
+		 nk_dtype_name(job->gemm.dtype));
+	if (rc == NK_OK)
+		worker_early_reply(w, job);
 	cudaError_t err = cudaEventSynchronize(w->ev_stop);
 	if (err != cudaSuccess) {
 		cuda_set_fatal(w->dev->backend, w->dev->ordinal, err);
@@ -387,8 +496,6 @@ static void worker_run_wgrad(struct cuda_worker *w, struct job *job)
 	float ms = 0;
 	cudaEventElapsedTime(&ms, w->ev_start, w->ev_stop);
 	job->t_end_ns = job->t_start_ns + (uint64_t)(ms * 1e6f);
-	snprintf(job->variant, sizeof(job->variant), "cublas/gemm_ex/%s",
-		 nk_dtype_name(job->gemm.dtype));
 	job->status = NC_OK;
 }
 
@@ -411,10 +518,16 @@ static void worker_run(struct cuda_worker *w, struct job *job)
 		return worker_fail(job, NC_ERESOURCE_EXHAUSTED, "%s",
 				   "out of device memory for the job's workspace");
 	*w->clamped = 0;
+	if (worker_wait_client(w, job))
+		return;
 	struct nk_cuda_exec exec = {w->stream, w->workspace, w->workspace_bytes, w->clamped};
 	cudaEventRecord(w->ev_start, w->stream);
 	int rc = nk_cuda_norm(&job->args, &w->dev->info, &v, &exec, &ran);
 	cudaEventRecord(w->ev_stop, w->stream);
+	if (rc == NK_OK) {
+		nk_variant_name(&ran, job->variant, sizeof(job->variant));
+		worker_early_reply(w, job);
+	}
 	cudaError_t err = cudaEventSynchronize(w->ev_stop);
 	if (err != cudaSuccess) {
 		cuda_set_fatal(cuda, w->dev->ordinal, err);
@@ -428,7 +541,6 @@ static void worker_run(struct cuda_worker *w, struct job *job)
 	cudaEventElapsedTime(&ms, w->ev_start, w->ev_stop);
 	job->t_end_ns = job->t_start_ns + (uint64_t)(ms * 1e6f);
 	job->clamped_cols = *w->clamped;
-	nk_variant_name(&ran, job->variant, sizeof(job->variant));
 	job->status = NC_OK;
 }
 
@@ -543,11 +655,16 @@ static void device_stop(struct cuda_device *dev)
 		cudaFreeHost(w->clamped);
 		nk_cublas_destroy(w->cublas);
 		cudaFree(w->cublas_workspace);
+		for (unsigned e = 0; e < w->done_count; e++)
+			cudaEventDestroy(w->done[e]);
 	}
 	variant_cache_destroy(dev->cache);
 	if (dev->ready) {
+		for (unsigned i = 0; i < dev->opened_count; i++)
+			cudaEventDestroy(dev->opened[i].event);
 		uv_cond_destroy(&dev->wake);
 		uv_mutex_destroy(&dev->lock);
+		uv_mutex_destroy(&dev->events_lock);
 	}
 }
 
@@ -610,8 +727,13 @@ static int device_init(struct backend_cuda *cuda, struct cuda_device *dev,
 	dev->cache = variant_cache_create(described->uuid, ordinal, cfg->state_dir);
 	if (!dev->cache || uv_mutex_init(&dev->lock))
 		return -1;
+	if (uv_mutex_init(&dev->events_lock)) {
+		uv_mutex_destroy(&dev->lock);
+		return -1;
+	}
 	if (uv_cond_init(&dev->wake)) {
 		uv_mutex_destroy(&dev->lock);
+		uv_mutex_destroy(&dev->events_lock);
 		return -1;
 	}
 	dev->ready = true;

@@ -326,6 +326,17 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 		adjusted.use[T_MEAN] = U_NONE;
 	if (job_bind_tensors(job, regions, msg, &adjusted))
 		return job->status;
+	if (msg->has_wait_event && msg->wait_event.len != 64)
+		return job_refuse(job, NC_EINVALID_ARGUMENT,
+				  "wait_event is %zu bytes; a CUDA IPC event handle has 64",
+				  msg->wait_event.len);
+	job->has_wait_event = msg->has_wait_event;
+	if (msg->has_wait_event)
+		memcpy(job->wait_event, msg->wait_event.data, 64);
+	job->early_reply = msg->early_reply;
+	if ((job->has_wait_event || job->early_reply) && job->device < 0)
+		return job_refuse(job, NC_EUNSUPPORTED,
+				  "wait_event and early_reply need device memory (the cuda backend)");
 	const char *why = NULL;
 	if (job->wgrad) {
 		job->gemm.x = a->x;
@@ -408,8 +419,15 @@ static void job_finish(struct job *job)
 {
 	struct client *c = job->client;
 	struct server *srv = c->srv;
+	if (job->notice) {
+		/* The early reply of a job that is still running: answer, count nothing. */
+		reply_job(c, job);
+		nc__free(job);
+		return;
+	}
 	stats_count_job(srv, job, true);
-	reply_job(c, job); /* dropped if the client is gone */
+	if (!job->replied)
+		reply_job(c, job); /* dropped if the client is gone */
 	c->jobs_in_flight--;
 	srv->jobs_in_flight--;
 	job_free(job);

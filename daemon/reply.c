@@ -126,6 +126,11 @@ void reply_job(struct client *c, const struct job *job)
 		reply.device_us = (job->t_end_ns - job->t_start_ns) / 1000;
 		reply.queue_us = (job->t_start_ns - job->t_arrive_ns) / 1000;
 	}
+	if (job->notice) {
+		reply.has_done_event = true;
+		reply.done_event.data = (uint8_t *)job->done_event;
+		reply.done_event.len = sizeof(job->done_event);
+	}
 	if (job->args.flags & NK_MEMORY_EFFICIENT) {
 		reply.has_clamped_cols = true;
 		reply.clamped_cols = job->clamped_cols;

@@ -152,6 +152,12 @@ struct job {
 	Normd__Op op;
 	int device;                  /* where its regions live (-1: host) */
 	bool wgrad;                  /* WGRAD_ACCUM: `gemm` holds it, not `args` */
+	bool has_wait_event;         /* the stream waits on wait_event first */
+	bool early_reply;            /* reply when enqueued (done_event), not when done */
+	bool notice;                 /* only the early reply of a job still running */
+	bool replied;                /* its early reply went out already */
+	uint8_t wait_event[64];      /* the client's cudaIpcEventHandle_t */
+	uint8_t done_event[64];      /* the daemon's, recorded after the job */
 	struct nk_norm_args args;    /* pointers resolved into the regions below */
 	struct nk_wgrad_args gemm;
 	void *main_grad;             /* WGRAD_ACCUM's output, resolved */

@@ -274,6 +274,20 @@ NC_API int nc_job_run(nc_conn *conn, const struct nc_job *job, int timeout_ms,
 NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *stream,
 				int timeout_ms, struct nc_job_result *result);
 
+/*
+ * The IPC-event completion mode (CUDA backend): records an interprocess
+ * event on `stream` that the daemon's stream waits on before the job, and,
+ * once the daemon has queued the job, makes `stream` wait on the daemon's
+ * event recorded after it. Returns when the job is queued, not done: neither
+ * this thread nor the daemon waits for the GPU, and work queued on `stream`
+ * afterwards runs after the job. The result then has no device_us and no
+ * clamped_cols. Slower than the synchronous mode for small jobs (see
+ * BENCHMARKS.md); it spares the caller's CPU. Any thread; up to 64 calls of
+ * one connection may be in flight at once (else NC_ERESOURCE_EXHAUSTED).
+ */
+NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *stream,
+			    int timeout_ms, struct nc_job_result *result);
+
 /* ---- inspection ------------------------------------------------------------ */
 
 #define NC_STATS_OPS 8           /* per-op slots, indexed by enum nc_op (0: unknown op) */

@@ -553,6 +553,7 @@ NC_API void nc_close(nc_conn *conn)
 	if (conn->fd >= 0)
 		close(conn->fd);
 	nc__regions_release_all(conn);
+	nc__events_release(conn);
 	while (conn->replies) {
 		struct nc__reply *r = conn->replies;
 		conn->replies = r->next;

@@ -182,3 +182,169 @@ NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *s
 	}
 	return nc_job_run(conn, job, timeout_ms, result);
 }
+
+/* ---- the IPC-event completion mode -------------------------------------------------------- */
+
+#define NC__WAIT_EVENTS 64  /* events a connection records for the daemon to wait on */
+#define NC__DONE_EVENTS 512 /* the daemon's done events a connection keeps open */
+
+struct nc__events {
+	pthread_mutex_t lock;
+	cudaEvent_t wait[NC__WAIT_EVENTS]; /* ours, interprocess */
+	uint8_t wait_handle[NC__WAIT_EVENTS][64];
+	bool wait_busy[NC__WAIT_EVENTS];   /* its job's reply has not arrived yet */
+	unsigned wait_count;
+	struct {
+		uint8_t handle[64];
+		cudaEvent_t event;
+	} done[NC__DONE_EVENTS];           /* the daemon's, opened from their handles */
+	unsigned done_count, done_next;
+};
+
+static struct nc__events *events_of(nc_conn *conn)
+{
+	pthread_mutex_lock(&conn->lock);
+	if (!conn->events) {
+		conn->events = nc__calloc(1, sizeof(*conn->events));
+		if (conn->events)
+			pthread_mutex_init(&conn->events->lock, NULL);
+	}
+	struct nc__events *ev = conn->events;
+	pthread_mutex_unlock(&conn->lock);
+	return ev;
+}
+
+/* A free wait event (made on first need); its index, or -1. */
+static int wait_event_take(struct nc__events *ev)
+{
+	int slot = -1;
+	pthread_mutex_lock(&ev->lock);
+	for (unsigned i = 0; i < ev->wait_count && slot < 0; i++) {
+		if (!ev->wait_busy[i])
+			slot = (int)i;
+	}
+	if (slot < 0 && ev->wait_count < NC__WAIT_EVENTS) {
+		cudaIpcEventHandle_t h;
+		unsigned i = ev->wait_count;
+		if (cudaEventCreateWithFlags(&ev->wait[i], cudaEventInterprocess |
+								   cudaEventDisableTiming) == cudaSuccess &&
+		    cudaIpcGetEventHandle(&h, ev->wait[i]) == cudaSuccess) {
+			memcpy(ev->wait_handle[i], &h, 64);
+			ev->wait_count++;
+			slot = (int)i;
+		} else {
+			cudaGetLastError();
+		}
+	}
+	if (slot >= 0)
+		ev->wait_busy[slot] = true;
+	pthread_mutex_unlock(&ev->lock);
+	return slot;
+}
+
+static void wait_event_give_back(struct nc__events *ev, int slot)
+{
+	pthread_mutex_lock(&ev->lock);
+	ev->wait_busy[slot] = false;
+	pthread_mutex_unlock(&ev->lock);
+}
+
+/* The daemon's done event for these handle bytes, opened once; NULL on failure. */
+static cudaEvent_t done_event_open(struct nc__events *ev, const uint8_t handle[64])
+{
+	cudaEvent_t event = NULL;
+	pthread_mutex_lock(&ev->lock);
+	for (unsigned i = 0; i < ev->done_count; i++) {
+		if (!memcmp(ev->done[i].handle, handle, 64)) {
+			event = ev->done[i].event;
+			goto out;
+		}
+	}
+	cudaIpcEventHandle_t h;
+	memcpy(&h, handle, sizeof(h));
+	if (cudaIpcOpenEventHandle(&event, h) != cudaSuccess) {
+		cudaGetLastError();
+		event = NULL;
+		goto out;
+	}
+	unsigned slot = ev->done_count < NC__DONE_EVENTS ? ev->done_count++
+							 : ev->done_next++ % NC__DONE_EVENTS;
+	if (ev->done[slot].event)
+		cudaEventDestroy(ev->done[slot].event);
+	memcpy(ev->done[slot].handle, handle, 64);
+	ev->done[slot].event = event;
+out:
+	pthread_mutex_unlock(&ev->lock);
+	return event;
+}
+
+void nc__events_release(nc_conn *conn)
+{
+	struct nc__events *ev = conn->events;
+	if (!ev)
+		return;
+	for (unsigned i = 0; i < ev->wait_count; i++)
+		cudaEventDestroy(ev->wait[i]);
+	for (unsigned i = 0; i < ev->done_count; i++)
+		cudaEventDestroy(ev->done[i].event);
+	pthread_mutex_destroy(&ev->lock);
+	nc__free(ev);
+	conn->events = NULL;
+}
+
+static int event_result_fail(struct nc_job_result *result, int rc)
+{
+	if (result) {
+		memset(result, 0, sizeof(*result));
+		result->status = rc;
+		snprintf(result->message, sizeof(result->message), "%s", nc_last_error());
+	}
+	return rc;
+}
+
+NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *stream,
+			    int timeout_ms, struct nc_job_result *result)
+{
+	struct nc_job_result local;
+	if (!result)
+		result = &local;
+	if (!conn || !job)
+		return event_result_fail(result, nc__fail(NC_EINVALID_ARGUMENT,
+							  "conn and job must not be NULL"));
+	struct nc__events *ev = events_of(conn);
+	int slot = ev ? wait_event_take(ev) : -1;
+	if (slot < 0)
+		return event_result_fail(result, nc__fail(NC_ERESOURCE_EXHAUSTED,
+							  "no interprocess CUDA event available"));
+	/* The daemon's stream waits for what the caller queued so far. */
+	int rc = 0;
+	uint64_t id = 0;
+	uint8_t done[64];
+	if (cudaEventRecord(ev->wait[slot], (cudaStream_t)stream) != cudaSuccess) {
+		cudaGetLastError();
+		rc = nc__fail(NC_EINVALID_ARGUMENT, "cudaEventRecord on the caller's stream failed");
+	}
+	if (rc == 0)
+		rc = nc__job_submit_event(conn, job, ev->wait_handle[slot], &id);
+	if (rc == 0)
+		rc = nc__job_wait_event(conn, id, timeout_ms, result, done);
+	else
+		event_result_fail(result, rc);
+	/* The reply comes after the daemon queued its wait: the event may be reused. */
+	if (rc != NC_ETIMEOUT)
+		wait_event_give_back(ev, slot);
+	if (rc)
+		return rc;
+	static const uint8_t zero[64];
+	if (!memcmp(done, zero, 64))
+		return 0; /* answered after completion: nothing to wait for */
+	/* The caller's stream waits for the job; this thread does not. */
+	cudaEvent_t done_event = done_event_open(ev, done);
+	if (!done_event || cudaStreamWaitEvent((cudaStream_t)stream, done_event, 0) != cudaSuccess) {
+		cudaGetLastError();
+		rc = nc__fail(NC_EDEVICE_ERROR, "cannot wait on the daemon's done event");
+		result->status = rc;
+		snprintf(result->message, sizeof(result->message), "%s", nc_last_error());
+	}
+	return rc;
+}

@@ -50,6 +50,7 @@ struct nc_conn {
 	size_t in_len, in_cap;
 	struct nc_server_info info;
 	struct nc_region *regions;  /* every region registered and not yet freed */
+	struct nc__events *events;  /* IPC events of the event mode, made on first use */
 };
 
 /* Records the calling thread's error message and returns `status`. */
@@ -74,11 +75,20 @@ int nc__call(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms,
 /* Sends `env` and waits for a Result; returns its status (message recorded). */
 int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms);
 
+/* nc_job_submit with the IPC-event mode's wait_event (64 bytes; NULL: none). */
+int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const uint8_t *wait_event,
+			 uint64_t *request_id);
+/* nc_job_wait that also copies the reply's done_event (all zero if none). */
+int nc__job_wait_event(nc_conn *conn, uint64_t request_id, int timeout_ms,
+		       struct nc_job_result *result, uint8_t *done_event);
+
 /* Adds a registered region to its connection's list (lock taken inside). */
 void nc__region_track(nc_region *region);
 /* Sends UnregisterRegion for it; returns the daemon's status. */
 int nc__region_unregister(nc_region *region);
 /* Unmaps and frees every region still listed (at nc_close; no messages). */
 void nc__regions_release_all(nc_conn *conn);
+/* Destroys the connection's IPC events (at nc_close). */
+void nc__events_release(nc_conn *conn);
 
 #endif /* NORMCLIENT_INTERNAL_H */

@@ -63,17 +63,29 @@ static void job_to_msg(const struct nc_job *job, Normd__Job *msg, struct job_ten
 	}
 }
 
-NC_API int nc_job_submit(nc_conn *conn, const struct nc_job *job, uint64_t *request_id)
+int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const uint8_t *wait_event,
+			 uint64_t *request_id)
 {
 	if (!conn || !job || !request_id)
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn, job and request_id must not be NULL");
 	Normd__Job msg;
 	struct job_tensors ts;
 	job_to_msg(job, &msg, &ts);
+	if (wait_event) {
+		msg.has_wait_event = msg.has_early_reply = true;
+		msg.wait_event.data = (uint8_t *)wait_event;
+		msg.wait_event.len = 64;
+		msg.early_reply = true;
+	}
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.body_case = NORMD__ENVELOPE__BODY_JOB;
 	env.job = &msg;
 	return nc__submit(conn, &env, -1, request_id);
+}
+
+NC_API int nc_job_submit(nc_conn *conn, const struct nc_job *job, uint64_t *request_id)
+{
+	return nc__job_submit_event(conn, job, NULL, request_id);
 }
 
 static int result_fail(struct nc_job_result *result, int status)
@@ -86,6 +98,12 @@ static int result_fail(struct nc_job_result *result, int status)
 
 NC_API int nc_job_wait(nc_conn *conn, uint64_t request_id, int timeout_ms,
 		       struct nc_job_result *result)
+{
+	return nc__job_wait_event(conn, request_id, timeout_ms, result, NULL);
+}
+
+int nc__job_wait_event(nc_conn *conn, uint64_t request_id, int timeout_ms,
+		       struct nc_job_result *result, uint8_t *done_event)
 {
 	struct nc_job_result ignored;
 	if (!result)
@@ -107,6 +125,12 @@ NC_API int nc_job_wait(nc_conn *conn, uint64_t request_id, int timeout_ms,
 		snprintf(result->variant, sizeof(result->variant), "%s",
 			 r->variant ? r->variant : "");
 		message = r->message;
+		if (done_event) {
+			bool ok = r->has_done_event && r->done_event.len == 64;
+			memset(done_event, 0, 64);
+			if (ok)
+				memcpy(done_event, r->done_event.data, 64);
+		}
 	} else if (reply->body_case == NORMD__ENVELOPE__BODY_RESULT) {
 		/* Refused before it became a job (limits, shutdown). */
 		result->status = nc__status_from_wire(reply->result->status);

@@ -404,6 +404,60 @@ static int wgrad_jobs(void *arg)
 	return 0;
 }
 
+/*
+ * The IPC-event mode orders both ways through the caller's stream: the
+ * daemon's job waits for the caller's input upload (queued behind a slow
+ * memset, after the device input was poisoned), and a copy the caller queues
+ * after the call sees the job's output, all without a host synchronize.
+ */
+static int event_mode(void *arg)
+{
+	(void)arg;
+	nc_conn *conn = connect_daemon("events");
+	CHECK(conn, "no connection");
+	struct jobkit kit;
+	struct jobkit_spec spec = {.op = NC_LAYERNORM_FWD, .rows = 4096, .cols = 4096,
+				   .dtype = NC_BF16, .gamma = true, .beta = true, .seed = 21,
+				   .on_device = true};
+	CHECK(jobkit_create(conn, &spec, &kit) == 0, "set-up: %s", nc_last_error());
+	size_t xoff = (size_t)((char *)kit.ptr[JK_X] - (char *)kit.staging);
+	size_t yoff = (size_t)((char *)kit.ptr[JK_Y] - (char *)kit.staging);
+	char *x = (char *)kit.device_base + xoff, *y = (char *)kit.device_base + yoff;
+	void *scratch = NULL, *y_copy = NULL;
+	cudaStream_t s;
+	CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess &&
+		      cudaMalloc(&scratch, 1u << 30) == cudaSuccess &&
+		      cudaMalloc(&y_copy, kit.bytes[JK_Y]) == cudaSuccess &&
+		      cudaMemset(x, 0xff, kit.bytes[JK_X]) == cudaSuccess &&
+		      cudaDeviceSynchronize() == cudaSuccess,
+	      "cuda set-up");
+	cudaMemsetAsync(scratch, 1, 1u << 30, s); /* keeps the stream busy a while */
+	cudaMemcpyAsync(x, kit.ptr[JK_X], kit.bytes[JK_X], cudaMemcpyHostToDevice, s);
+	struct nc_job_result r;
+	int rc = nc_job_run_event(conn, &kit.job, s, 10000, &r);
+	CHECK(rc == NC_OK, "nc_job_run_event: %s", r.message);
+	cudaMemcpyAsync(y_copy, y, kit.bytes[JK_Y], cudaMemcpyDeviceToDevice, s);
+	CHECK(cudaStreamSynchronize(s) == cudaSuccess, "stream");
+	struct jobkit_report rep;
+	bool ok = jobkit_check(&kit, &rep);
+	printf("  event mode: job result %s (%s), variant %s\n", ok ? "correct" : "WRONG",
+	       rep.detail, r.variant);
+	char *copied = malloc(kit.bytes[JK_Y]);
+	CHECK(copied && cudaMemcpy(copied, y_copy, kit.bytes[JK_Y], cudaMemcpyDeviceToHost) ==
+				cudaSuccess,
+	      "download");
+	bool same = memcmp(copied, kit.ptr[JK_Y], kit.bytes[JK_Y]) == 0;
+	free(copied);
+	cudaFree(scratch);
+	cudaFree(y_copy);
+	cudaStreamDestroy(s);
+	jobkit_destroy(&kit);
+	nc_close(conn);
+	CHECK(ok, "the job did not wait for the caller's upload");
+	CHECK(same, "the caller's stream did not wait for the job");
+	return 0;
+}
+
 int main(void)
 {
 	if (test_daemon_start_on(&daemon_, "0", NULL) != 0) {
@@ -417,6 +471,7 @@ int main(void)
 	report("1000 connect/register/job cycles", thousand_cycles(NULL));
 	report("unexportable memory refused", in_child(unexportable, NULL));
 	report("wgrad jobs and accumulation", in_child(wgrad_jobs, NULL));
+	report("IPC-event mode orders both ways", in_child(event_mode, NULL));
 	report("variants named and listed", in_child(variants_listed, NULL));
 	bool alive = test_daemon_alive(&daemon_);
 	if (failed || !alive)
