@@ -1437,8 +1437,8 @@ static int preflight(struct stress *st)
 				"(it orders jobs with CUDA IPC events); use --mode sync\n");
 		status = 2;
 	} else if (o->mode == MODE_EVENT) {
-		fprintf(stderr, "normstress: --mode event is not implemented yet (libnormclient "
-				"has only the synchronous mode); use --mode sync\n");
+		fprintf(stderr, "normstress: --mode event is not implemented in normstress yet "
+				"(libnormclient has it: nc_job_run_event); use --mode sync\n");
 		status = 2;
 	} else if (info->max_jobs_in_flight && o->inflight > info->max_jobs_in_flight) {
 		fprintf(stderr,
