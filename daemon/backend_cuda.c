@@ -67,12 +67,7 @@ struct cuda_device {
 	uv_cond_t wake;
 	struct job *head, *tail;
 	atomic_uint queued;        /* jobs in the queue, for spinning workers to watch */
-	uv_mutex_t events_lock;    /* the opened clients' events below */
-	struct opened_event {
-		uint8_t handle[64];
-		cudaEvent_t event;
-	} opened[OPENED_EVENTS];
-	unsigned opened_count, opened_next;
+	struct nk_ipc_event_cache opened; /* clients' wait events */
 	bool stopping;
 	struct cuda_worker workers[CUDA_MAX_WORKERS];
 	int workers_wanted;        /* config: cuda_workers */
@@ -366,44 +361,13 @@ static void worker_fail(struct job *job, int status, const char *fmt, const char
 
 /* ---- the IPC-event completion mode --------------------------------------------------- */
 
-/*
- * The client's wait event, opened once and kept (up to OPENED_EVENTS per
- * device, the oldest closed first). NULL if the handle does not open.
- */
-static cudaEvent_t device_open_event(struct cuda_device *dev, const uint8_t handle[64])
-{
-	cudaEvent_t event = NULL;
-	uv_mutex_lock(&dev->events_lock);
-	for (unsigned i = 0; i < dev->opened_count; i++) {
-		if (!memcmp(dev->opened[i].handle, handle, 64)) {
-			event = dev->opened[i].event;
-			goto out;
-		}
-	}
-	cudaIpcEventHandle_t h;
-	memcpy(&h, handle, sizeof(h));
-	if (cudaIpcOpenEventHandle(&event, h) != cudaSuccess) {
-		cudaGetLastError();
-		event = NULL;
-		goto out;
-	}
-	unsigned slot = dev->opened_count < OPENED_EVENTS ? dev->opened_count++
-							   : dev->opened_next++ % OPENED_EVENTS;
-	if (dev->opened[slot].event)
-		cudaEventDestroy(dev->opened[slot].event);
-	memcpy(dev->opened[slot].handle, handle, 64);
-	dev->opened[slot].event = event;
-out:
-	uv_mutex_unlock(&dev->events_lock);
-	return event;
-}
-
 /* Makes the worker's stream wait for the client's event; 0 or a status. */
 static int worker_wait_client(struct cuda_worker *w, struct job *job)
 {
 	if (!job->has_wait_event)
 		return 0;
-	cudaEvent_t event = device_open_event(w->dev, job->wait_event);
+	/* Clients' wait events stay open (up to OPENED_EVENTS a device). */
+	cudaEvent_t event = nk_ipc_event_open(&w->dev->opened, job->wait_event);
 	if (!event) {
 		worker_fail(job, NC_EINVALID_ARGUMENT, "%s",
 			    "wait_event: cannot open the CUDA IPC event handle");
@@ -660,11 +624,9 @@ static void device_stop(struct cuda_device *dev)
 	}
 	variant_cache_destroy(dev->cache);
 	if (dev->ready) {
-		for (unsigned i = 0; i < dev->opened_count; i++)
-			cudaEventDestroy(dev->opened[i].event);
+		nk_ipc_event_cache_destroy(&dev->opened);
 		uv_cond_destroy(&dev->wake);
 		uv_mutex_destroy(&dev->lock);
-		uv_mutex_destroy(&dev->events_lock);
 	}
 }
 
@@ -727,13 +689,13 @@ static int device_init(struct backend_cuda *cuda, struct cuda_device *dev,
 	dev->cache = variant_cache_create(described->uuid, ordinal, cfg->state_dir);
 	if (!dev->cache || uv_mutex_init(&dev->lock))
 		return -1;
-	if (uv_mutex_init(&dev->events_lock)) {
+	if (nk_ipc_event_cache_init(&dev->opened, OPENED_EVENTS)) {
 		uv_mutex_destroy(&dev->lock);
 		return -1;
 	}
 	if (uv_cond_init(&dev->wake)) {
 		uv_mutex_destroy(&dev->lock);
-		uv_mutex_destroy(&dev->events_lock);
+		nk_ipc_event_cache_destroy(&dev->opened);
 		return -1;
 	}
 	dev->ready = true;

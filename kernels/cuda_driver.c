@@ -8,6 +8,8 @@
 #include <cuda_runtime_api.h>
 #include <pthread.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
 typedef CUresult (*pointer_get_attributes_fn)(unsigned int, CUpointer_attribute *, void **,
 						CUdeviceptr);
@@ -89,4 +91,54 @@ int nk_cuda_allocation_size(const void *base, uint64_t *size, const char **why)
 	}
 	*size = (uint64_t)(bytes - ((uintptr_t)base - (uintptr_t)start));
 	return 0;
+}
+
+int nk_ipc_event_cache_init(struct nk_ipc_event_cache *cache, unsigned capacity)
+{
+	memset(cache, 0, sizeof(*cache));
+	cache->entries = calloc(capacity, sizeof(*cache->entries));
+	if (!cache->entries)
+		return -1;
+	cache->capacity = capacity;
+	pthread_mutex_init(&cache->lock, NULL);
+	return 0;
+}
+
+void nk_ipc_event_cache_destroy(struct nk_ipc_event_cache *cache)
+{
+	if (!cache->entries)
+		return;
+	for (unsigned i = 0; i < cache->count; i++)
+		cudaEventDestroy((cudaEvent_t)cache->entries[i].event);
+	pthread_mutex_destroy(&cache->lock);
+	free(cache->entries);
+	cache->entries = NULL;
+}
+
+void *nk_ipc_event_open(struct nk_ipc_event_cache *cache, const uint8_t handle[64])
+{
+	cudaEvent_t event = NULL;
+	pthread_mutex_lock(&cache->lock);
+	for (unsigned i = 0; i < cache->count; i++) {
+		if (!memcmp(cache->entries[i].handle, handle, 64)) {
+			event = (cudaEvent_t)cache->entries[i].event;
+			goto out;
+		}
+	}
+	cudaIpcEventHandle_t h;
+	memcpy(&h, handle, sizeof(h));
+	if (cudaIpcOpenEventHandle(&event, h) != cudaSuccess) {
+		cudaGetLastError(); /* not sticky: clear it */
+		event = NULL;
+		goto out;
+	}
+	unsigned slot = cache->count < cache->capacity ? cache->count++
+						       : cache->next++ % cache->capacity;
+	if (cache->entries[slot].event)
+		cudaEventDestroy((cudaEvent_t)cache->entries[slot].event);
+	memcpy(cache->entries[slot].handle, handle, 64);
+	cache->entries[slot].event = event;
+out:
+	pthread_mutex_unlock(&cache->lock);
+	return event;
 }

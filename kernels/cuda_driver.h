@@ -8,6 +8,7 @@
 #define NORMD_CUDA_DRIVER_H
 
 #include <stdbool.h>
+#include <pthread.h>
 #include <stdint.h>
 
 /* What the driver knows about the allocation holding a device pointer. */
@@ -29,5 +30,24 @@ int nk_cuda_pointer_info(const void *ptr, struct nk_cuda_pointer_info *out, cons
 
 /* The size of the allocation that starts at `base` (as opened by IPC); -1 on failure. */
 int nk_cuda_allocation_size(const void *base, uint64_t *size, const char **why);
+
+/*
+ * CUDA IPC events opened from their 64-byte handles, each once, kept up to
+ * `capacity` (the oldest destroyed first). Used by the daemon for clients'
+ * wait events and by the library for the daemon's done events. Thread-safe.
+ */
+struct nk_ipc_event_cache {
+	pthread_mutex_t lock;
+	unsigned capacity, count, next;
+	struct nk_ipc_event_entry {
+		uint8_t handle[64];
+		void *event; /* cudaEvent_t */
+	} *entries;
+};
+
+int nk_ipc_event_cache_init(struct nk_ipc_event_cache *cache, unsigned capacity);
+void nk_ipc_event_cache_destroy(struct nk_ipc_event_cache *cache);
+/* The event (a cudaEvent_t) for these handle bytes, opened on first use; NULL on failure. */
+void *nk_ipc_event_open(struct nk_ipc_event_cache *cache, const uint8_t handle[64]);
 
 #endif /* NORMD_CUDA_DRIVER_H */

@@ -194,11 +194,7 @@ struct nc__events {
 	uint8_t wait_handle[NC__WAIT_EVENTS][64];
 	bool wait_busy[NC__WAIT_EVENTS];   /* its job's reply has not arrived yet */
 	unsigned wait_count;
-	struct {
-		uint8_t handle[64];
-		cudaEvent_t event;
-	} done[NC__DONE_EVENTS];           /* the daemon's, opened from their handles */
-	unsigned done_count, done_next;
+	struct nk_ipc_event_cache done;    /* the daemon's, opened from their handles */
 };
 
 static struct nc__events *events_of(nc_conn *conn)
@@ -206,6 +202,10 @@ static struct nc__events *events_of(nc_conn *conn)
 	pthread_mutex_lock(&conn->lock);
 	if (!conn->events) {
 		conn->events = nc__calloc(1, sizeof(*conn->events));
+		if (conn->events && nk_ipc_event_cache_init(&conn->events->done, NC__DONE_EVENTS)) {
+			nc__free(conn->events);
+			conn->events = NULL;
+		}
 		if (conn->events)
 			pthread_mutex_init(&conn->events->lock, NULL);
 	}
@@ -249,35 +249,6 @@ static void wait_event_give_back(struct nc__events *ev, int slot)
 	pthread_mutex_unlock(&ev->lock);
 }
 
-/* The daemon's done event for these handle bytes, opened once; NULL on failure. */
-static cudaEvent_t done_event_open(struct nc__events *ev, const uint8_t handle[64])
-{
-	cudaEvent_t event = NULL;
-	pthread_mutex_lock(&ev->lock);
-	for (unsigned i = 0; i < ev->done_count; i++) {
-		if (!memcmp(ev->done[i].handle, handle, 64)) {
-			event = ev->done[i].event;
-			goto out;
-		}
-	}
-	cudaIpcEventHandle_t h;
-	memcpy(&h, handle, sizeof(h));
-	if (cudaIpcOpenEventHandle(&event, h) != cudaSuccess) {
-		cudaGetLastError();
-		event = NULL;
-		goto out;
-	}
-	unsigned slot = ev->done_count < NC__DONE_EVENTS ? ev->done_count++
-							 : ev->done_next++ % NC__DONE_EVENTS;
-	if (ev->done[slot].event)
-		cudaEventDestroy(ev->done[slot].event);
-	memcpy(ev->done[slot].handle, handle, 64);
-	ev->done[slot].event = event;
-out:
-	pthread_mutex_unlock(&ev->lock);
-	return event;
-}
-
 void nc__events_release(nc_conn *conn)
 {
 	struct nc__events *ev = conn->events;
@@ -285,8 +256,7 @@ void nc__events_release(nc_conn *conn)
 		return;
 	for (unsigned i = 0; i < ev->wait_count; i++)
 		cudaEventDestroy(ev->wait[i]);
-	for (unsigned i = 0; i < ev->done_count; i++)
-		cudaEventDestroy(ev->done[i].event);
+	nk_ipc_event_cache_destroy(&ev->done);
 	pthread_mutex_destroy(&ev->lock);
 	nc__free(ev);
 	conn->events = NULL;
@@ -339,7 +309,7 @@ NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *strea
 	if (!memcmp(done, zero, 64))
 		return 0; /* answered after completion: nothing to wait for */
 	/* The caller's stream waits for the job; this thread does not. */
-	cudaEvent_t done_event = done_event_open(ev, done);
+	cudaEvent_t done_event = nk_ipc_event_open(&ev->done, done);
 	if (!done_event || cudaStreamWaitEvent((cudaStream_t)stream, done_event, 0) != cudaSuccess) {
 		cudaGetLastError();
 		rc = nc__fail(NC_EDEVICE_ERROR, "cannot wait on the daemon's done event");
