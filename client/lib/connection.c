@@ -573,6 +573,21 @@ NC_API const struct nc_server_info *nc_server_info(const nc_conn *conn)
 	return conn ? &conn->info : NULL;
 }
 
+/* nc__call() for requests with a reply type of their own: any other reply is a protocol error. */
+static int call_expect(nc_conn *conn, Normd__Envelope *env, int timeout_ms,
+		       Normd__Envelope__BodyCase expected, const char *what, Normd__Envelope **reply)
+{
+	int rc = nc__call(conn, env, -1, timeout_ms, reply);
+	if (rc)
+		return rc;
+	if ((*reply)->body_case != expected) {
+		nc__envelope_free(*reply);
+		*reply = NULL;
+		return nc__fail(NC_EPROTOCOL_ERROR, "unexpected reply to %s", what);
+	}
+	return 0;
+}
+
 NC_API int nc_ping(nc_conn *conn, int timeout_ms)
 {
 	if (!conn)
@@ -582,12 +597,9 @@ NC_API int nc_ping(nc_conn *conn, int timeout_ms)
 	env.body_case = NORMD__ENVELOPE__BODY_PING;
 	env.ping = &ping;
 	Normd__Envelope *reply;
-	int rc = nc__call(conn, &env, -1, timeout_ms, &reply);
-	if (rc == 0) {
-		if (reply->body_case != NORMD__ENVELOPE__BODY_PONG)
-			rc = nc__fail(NC_EPROTOCOL_ERROR, "unexpected reply to Ping");
+	int rc = call_expect(conn, &env, timeout_ms, NORMD__ENVELOPE__BODY_PONG, "Ping", &reply);
+	if (rc == 0)
 		nc__envelope_free(reply);
-	}
 	return rc;
 }
 
@@ -637,13 +649,10 @@ NC_API int nc_stats_get(nc_conn *conn, int timeout_ms, struct nc_stats *out)
 	env.body_case = NORMD__ENVELOPE__BODY_STATS;
 	env.stats = &req;
 	Normd__Envelope *reply;
-	int rc = nc__call(conn, &env, -1, timeout_ms, &reply);
+	int rc = call_expect(conn, &env, timeout_ms, NORMD__ENVELOPE__BODY_STATS_REPLY, "Stats",
+			     &reply);
 	if (rc)
 		return rc;
-	if (reply->body_case != NORMD__ENVELOPE__BODY_STATS_REPLY) {
-		nc__envelope_free(reply);
-		return nc__fail(NC_EPROTOCOL_ERROR, "unexpected reply to Stats");
-	}
 	const Normd__StatsReply *s = reply->stats_reply;
 	memset(out, 0, sizeof(*out));
 	out->uptime_ms = s->uptime_ms;
@@ -687,13 +696,10 @@ NC_API int nc_variants_get(nc_conn *conn, int timeout_ms, struct nc_variant_info
 	env.body_case = NORMD__ENVELOPE__BODY_VARIANTS;
 	env.variants = &req;
 	Normd__Envelope *reply;
-	int rc = nc__call(conn, &env, -1, timeout_ms, &reply);
+	int rc = call_expect(conn, &env, timeout_ms, NORMD__ENVELOPE__BODY_VARIANTS_REPLY,
+			     "Variants", &reply);
 	if (rc)
 		return rc;
-	if (reply->body_case != NORMD__ENVELOPE__BODY_VARIANTS_REPLY) {
-		nc__envelope_free(reply);
-		return nc__fail(NC_EPROTOCOL_ERROR, "unexpected reply to Variants");
-	}
 	const Normd__VariantsReply *v = reply->variants_reply;
 	struct nc_variant_info *list = nc__calloc(v->n_entries ? v->n_entries : 1, sizeof(*list));
 	if (!list) {
