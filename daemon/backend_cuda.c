@@ -21,6 +21,7 @@
 #include "daemon/server.h"
 
 #include <cuda_runtime_api.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +40,14 @@
 #define CUBLAS_WORKSPACE_BYTES (32u << 20)
 #define DONE_EVENTS 32          /* per worker; reused round robin (see worker_early_reply) */
 #define OPENED_EVENTS 256       /* clients' wait events kept open per device */
+/*
+ * A GPU-side wait on another process's event costs a switch between the two
+ * contexts, about 300 us on an H100 (BENCHMARKS.md). So the event mode first
+ * polls for this long: a client's event that completes meanwhile needs no
+ * GPU-side wait, and a job that ends meanwhile is answered as done (no done
+ * event for the client's stream to wait on). Only longer waits and jobs pay.
+ */
+#define EVENT_GRACE_NS 100000
 
 struct cuda_device;
 
@@ -374,6 +383,22 @@ static int worker_wait_client(struct cuda_worker *w, struct job *job)
 			    "wait_event: cannot open the CUDA IPC event handle");
 		return job->status;
 	}
+	/*
+	 * Usually the client's work is done by the time the request is read: a
+	 * GPU-side wait on another process's event would then only cost a
+	 * switch between the two contexts (hundreds of microseconds).
+	 */
+	cudaError_t state;
+	uint64_t until = server_now_ns() + EVENT_GRACE_NS;
+	while ((state = cudaEventQuery(event)) == cudaErrorNotReady && server_now_ns() < until)
+		;
+	if (state == cudaSuccess)
+		return 0;
+	if (state != cudaErrorNotReady) {
+		cudaGetLastError();
+		worker_fail(job, NC_EINVALID_ARGUMENT, "%s", "wait_event: cannot query the event");
+		return job->status;
+	}
 	if (cudaStreamWaitEvent(w->stream, event, 0) != cudaSuccess) {
 		cudaGetLastError();
 		worker_fail(job, NC_EDEVICE_ERROR, "%s", "cudaStreamWaitEvent on wait_event failed");
@@ -394,6 +419,12 @@ static void worker_early_reply(struct cuda_worker *w, struct job *job)
 {
 	if (!job->early_reply)
 		return;
+	uint64_t until = server_now_ns() + EVENT_GRACE_NS;
+	cudaError_t state;
+	while ((state = cudaStreamQuery(w->stream)) == cudaErrorNotReady && server_now_ns() < until)
+		;
+	if (state != cudaErrorNotReady)
+		return; /* done (or failed): answered as usual after worker_sync */
 	if (w->done_count < DONE_EVENTS) {
 		cudaIpcEventHandle_t h;
 		if (cudaEventCreateWithFlags(&w->done[w->done_count],
@@ -539,7 +570,7 @@ static struct job *worker_next(struct cuda_device *dev, uint64_t spin_until)
 			uv_mutex_unlock(&dev->lock);
 			while (atomic_load_explicit(&dev->queued, memory_order_acquire) == 0 &&
 			       server_now_ns() < spin_until)
-				;
+				sched_yield(); /* a loaded host's other threads come first */
 			uv_mutex_lock(&dev->lock);
 			dev->spinning--;
 		} else {
@@ -679,12 +710,14 @@ static int device_init(struct backend_cuda *cuda, struct cuda_device *dev,
 	dev->backend = cuda;
 	dev->ordinal = ordinal;
 	/*
-	 * Workers wait for their stream by spinning, not by yielding or
-	 * blocking: a tiny job's answer then leaves within a microsecond of the
-	 * kernel's end. The flag must be set before the context exists.
+	 * Workers wait for their stream by polling it, yielding the core
+	 * between polls: a tiny job's answer then leaves within a microsecond
+	 * of the kernel's end, while a loaded host still gets the core to the
+	 * threads that have work (pure spinning took it from them: BENCHMARKS.md).
+	 * The flag must be set before the context exists.
 	 */
 	if (cudaSetDevice(ordinal) != cudaSuccess ||
-	    cudaSetDeviceFlags(cfg->busy_poll_us ? cudaDeviceScheduleSpin
+	    cudaSetDeviceFlags(cfg->busy_poll_us ? cudaDeviceScheduleYield
 						 : cudaDeviceScheduleBlockingSync) != cudaSuccess ||
 	    cudaFree(NULL) != cudaSuccess ||
 	    cudaGetDeviceProperties(&prop, ordinal) != cudaSuccess) {

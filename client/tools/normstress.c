@@ -73,6 +73,7 @@
 #define DEFAULT_SOCKET "/run/normd/normd.sock"
 #define MAX_SLOTS 4096            /* processes x threads */
 #define MAX_INFLIGHT 1024         /* per thread */
+#define START_TIMEOUT_NS 120000000000ull /* longest wait for every client to be ready */
 #define MAX_SIZE (1ull << 26)     /* largest rows or cols accepted on the command line */
 #define MAX_LIST 64
 #define DETAIL_LINES 5            /* failure descriptions each thread prints */
@@ -483,6 +484,8 @@ struct slot {
 /* The shared anonymous mapping, made before the first fork. */
 struct shared {
 	atomic_bool stop;         /* set by the parent: finish what is in flight, then exit */
+	atomic_uint ready;        /* threads connected with their regions made */
+	atomic_bool go;           /* set by the parent once all are ready: the clock starts */
 	_Atomic uint64_t tickets; /* requests claimed so far, against --jobs */
 	struct slot slots[];      /* procs x threads */
 };
@@ -1169,6 +1172,10 @@ static void *worker_main(void *arg)
 		worker_make_streams(w);
 	for (unsigned i = 0; i < w->n_kits && !w->broken; i++)
 		worker_new_kit(w, &w->kits[i]);
+	/* Set-up (CUDA contexts above all) is not load: wait for every thread. */
+	atomic_fetch_add(&w->sh->ready, 1);
+	while (!atomic_load(&w->sh->go) && !atomic_load(&w->sh->stop))
+		sleep_ns(1000000);
 	if (!w->broken)
 		worker_run(w);
 	/*
@@ -1248,7 +1255,9 @@ struct stress {
 	pid_t parent_pid;
 	struct child *children;
 	uint64_t rng;              /* the parent's: kill times */
-	uint64_t t_start_ns, t_stop_ns, t_end_ns;
+	uint64_t t_launch_ns;      /* the clients were started */
+	uint64_t t_start_ns, t_stop_ns, t_end_ns; /* t_start_ns: all ready (the clock) */
+	bool going;                /* sh->go was set */
 	bool stopping;
 	unsigned kills;            /* children killed on purpose */
 	unsigned child_failures;   /* children that crashed, failed or hung */
@@ -1470,16 +1479,35 @@ static void parent_progress(struct stress *st, uint64_t now)
 	free(t);
 }
 
+/*
+ * Starts the clock once every client thread is ready (connected, regions
+ * made), or after START_TIMEOUT_NS when some never get there: --duration,
+ * jobs/s and the kill schedule then measure load, not start-up.
+ */
+static void parent_start_clock(struct stress *st, uint64_t now)
+{
+	if (st->going)
+		return;
+	unsigned threads = st->opt.procs * st->opt.threads;
+	if (atomic_load(&st->sh->ready) < threads && now < st->t_launch_ns + START_TIMEOUT_NS &&
+	    !interrupted)
+		return;
+	st->going = true;
+	st->t_start_ns = st->last_progress_ns = now;
+	atomic_store(&st->sh->go, true);
+}
+
 /* Starts every client, then watches them until the run is over and all are gone. */
 static void parent_run(struct stress *st)
 {
-	st->t_start_ns = now_ns();
+	st->t_launch_ns = st->t_start_ns = now_ns();
 	st->last_progress_ns = st->t_start_ns;
 	for (unsigned p = 0; p < st->opt.procs; p++)
 		child_start(st, p);
 	for (;;) {
 		uint64_t now = now_ns();
-		bool time_up = st->opt.duration_s > 0 &&
+		parent_start_clock(st, now);
+		bool time_up = st->going && st->opt.duration_s > 0 &&
 			       now >= st->t_start_ns + (uint64_t)(st->opt.duration_s * 1e9);
 		if (!st->stopping && (interrupted || time_up)) {
 			st->stopping = true;
@@ -1487,7 +1515,7 @@ static void parent_run(struct stress *st)
 			atomic_store(&st->sh->stop, true);
 		}
 		parent_reap(st);
-		if (!run_over(st))
+		if (!run_over(st) && st->going)
 			parent_chaos(st, now);
 		if (children_running(st) == 0)
 			break;
