@@ -52,12 +52,12 @@ static void cpu_run_job(struct backend_cpu *cpu, struct job *job)
 	}
 }
 
-static int cpu_region_map(struct backend *backend, const struct region_table *table,
+static int cpu_region_map(struct backend *backend, struct region *twin,
 			  const Normd__RegisterRegion *msg, int fd, struct region **out, char *why,
 			  size_t why_len)
 {
 	(void)backend;
-	(void)table;
+	(void)twin;
 	if (msg->kind != NORMD__REGION_KIND__HOST_MEMFD) {
 		if (fd >= 0)
 			close(fd);

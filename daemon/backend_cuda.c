@@ -183,7 +183,7 @@ static int cuda_open_handle(int device, const uint8_t handle[64], uint64_t size,
 	return 0;
 }
 
-static int cuda_region_map(struct backend *backend, const struct region_table *table,
+static int cuda_region_map(struct backend *backend, struct region *twin,
 			   const Normd__RegisterRegion *msg, int fd, struct region **out,
 			   char *why, size_t why_len)
 {
@@ -205,7 +205,6 @@ static int cuda_region_map(struct backend *backend, const struct region_table *t
 		snprintf(why, why_len, "device %d is not served by this daemon", device);
 		return NC_ENOT_FOUND;
 	}
-	struct region *twin = region_find_handle(table, msg->handle.data, device);
 	struct ipc_mapping *m = twin ? twin->mapping : NULL;
 	int rc = m ? 0 : cuda_open_handle(device, msg->handle.data, msg->size, &m, why, why_len);
 	if (rc)

@@ -30,7 +30,7 @@ static void client_on_poll(uv_poll_t *handle, int status, int events);
 static void client_update_poll(struct client *c)
 {
 	int events = 0;
-	if (!c->closing && !c->close_after_flush)
+	if (!c->closing && !c->close_after_flush && !c->mapping)
 		events |= UV_READABLE;
 	if (c->out_head)
 		events |= UV_WRITABLE;
@@ -113,7 +113,7 @@ void client_close(struct client *c, const char *reason)
 
 bool client_try_free(struct client *c)
 {
-	if (!c->closing || !c->poll_closed || c->jobs_in_flight > 0)
+	if (!c->closing || !c->poll_closed || c->jobs_in_flight > 0 || c->mapping)
 		return false;
 	struct server *srv = c->srv;
 	if (c->prev)
@@ -265,7 +265,8 @@ static void client_refuse_frame(struct client *c, const uint8_t *body, size_t le
 static void client_process_input(struct client *c)
 {
 	size_t pos = 0;
-	while (!c->closing && !c->close_after_flush && c->in_len - pos >= NC__FRAME_HEADER_BYTES) {
+	while (!c->closing && !c->close_after_flush && !c->mapping &&
+	       c->in_len - pos >= NC__FRAME_HEADER_BYTES) {
 		uint32_t body = nc__frame_length(c->in_buf + pos);
 		if (body > c->srv->cfg->max_frame) {
 			server_count_rejection(c->srv, NC_REJECT_FRAME_TOO_LARGE);
@@ -293,8 +294,14 @@ static void client_process_input(struct client *c)
 	c->in_len -= pos;
 	if (c->close_after_flush && !c->out_head)
 		client_close(c, "protocol violation"); /* the error reply is already sent */
-	else if (c->close_after_flush)
-		client_update_poll(c);
+	else
+		client_update_poll(c); /* a registration may have paused reading */
+}
+
+void client_resume(struct client *c)
+{
+	if (!c->closing)
+		client_process_input(c); /* frames that came behind the registration */
 }
 
 static int client_reserve_input(struct client *c)

@@ -12,6 +12,8 @@
 #include "daemon/log.h"
 #include "proto/frame.h"
 
+#define REGISTER_WHY_BYTES 192
+
 static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__Hello *hello)
 {
 	if (c->hello_done) {
@@ -42,13 +44,111 @@ static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__H
 	reply_hello(c, request_id);
 }
 
+/* Files a mapped region (or reports why there is none) and answers the request. */
+static void register_finish(struct client *c, uint64_t request_id, uint64_t region_id, int rc,
+			    struct region *region, char *why)
+{
+	if (rc == 0 && c->closing) {
+		region_unref(region); /* the client left while its memory was mapped */
+		return;
+	}
+	if (rc == 0) {
+		rc = region_insert(&c->regions, region);
+		if (rc) {
+			region_unref(region);
+			snprintf(why, REGISTER_WHY_BYTES, "out of memory");
+		}
+	}
+	if (rc) {
+		server_count_rejection(c->srv, rc == NC_ENOMEM || rc == NC_ERESOURCE_EXHAUSTED
+						       ? NC_REJECT_OUT_OF_MEMORY
+						       : NC_REJECT_BAD_REGION);
+		reply_result(c, request_id, rc, "region %llu: %s", (unsigned long long)region_id,
+			     why);
+		return;
+	}
+	log_debug("event=register client=%llu region=%llu size=%llu device=%d",
+		  (unsigned long long)c->id, (unsigned long long)region_id,
+		  (unsigned long long)region->size, region->device);
+	reply_result(c, request_id, NC_OK, NULL);
+}
+
+/*
+ * A registration mapped on libuv's thread pool. Its connection reads nothing
+ * meanwhile (c->mapping), so requests behind it (a job naming the region,
+ * say) still see it registered, and no other registration of the connection
+ * can change the limits checked before it was queued.
+ */
+struct register_work {
+	uv_work_t req;
+	struct client *c;
+	uint64_t request_id;
+	Normd__RegisterRegion msg; /* a copy: the envelope is freed meanwhile */
+	uint8_t handle[64];
+	int fd;
+	int rc;
+	struct region *region;
+	char why[REGISTER_WHY_BYTES];
+};
+
+static void register_work_run(uv_work_t *req)
+{
+	struct register_work *w = req->data;
+	struct backend *backend = w->c->srv->backend;
+	w->rc = backend->region_map(backend, NULL, &w->msg, w->fd, &w->region, w->why,
+				    sizeof(w->why));
+}
+
+static void register_work_done(uv_work_t *req, int status)
+{
+	struct register_work *w = req->data;
+	struct client *c = w->c;
+	(void)status; /* never cancelled */
+	c->mapping = false;
+	register_finish(c, w->request_id, w->msg.region_id, w->rc, w->region, w->why);
+	nc__free(w);
+	client_resume(c);
+}
+
+static void register_off_loop(struct client *c, uint64_t request_id,
+			      const Normd__RegisterRegion *msg, int fd)
+{
+	struct register_work *w = nc__calloc(1, sizeof(*w));
+	if (!w) {
+		if (fd >= 0)
+			close(fd);
+		server_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
+		reply_result(c, request_id, NC_ENOMEM, "region %llu: out of memory",
+			     (unsigned long long)msg->region_id);
+		return;
+	}
+	w->req.data = w;
+	w->c = c;
+	w->request_id = request_id;
+	w->fd = fd;
+	w->msg = *msg;
+	w->msg.base.n_unknown_fields = 0;
+	w->msg.base.unknown_fields = NULL;
+	w->msg.handle.data = w->handle; /* read only when its length is 64 */
+	if (msg->has_handle && msg->handle.len == 64)
+		memcpy(w->handle, msg->handle.data, 64);
+	c->mapping = true;
+	if (uv_queue_work(c->srv->loop, &w->req, register_work_run, register_work_done) != 0) {
+		/* Not reached with libuv's own pool; map here rather than fail. */
+		c->mapping = false;
+		register_work_run(&w->req);
+		register_finish(c, request_id, w->msg.region_id, w->rc, w->region, w->why);
+		nc__free(w);
+	}
+}
+
 static void dispatch_register(struct client *c, uint64_t request_id,
 			      const Normd__RegisterRegion *msg)
 {
 	const struct config *cfg = c->srv->cfg;
 	/* Claim the fd first so that a refused request never leaves it queued. */
 	int fd = msg->kind == NORMD__REGION_KIND__HOST_MEMFD ? client_claim_fd(c) : -1;
-	char why[192];
+	char why[REGISTER_WHY_BYTES];
 	int rc = 0;
 	enum nc_reject_reason reason = NC_REJECT_BAD_REGION;
 	if (msg->region_id == 0 || msg->size == 0) {
@@ -77,28 +177,18 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 		reply_result(c, request_id, rc, "%s", why);
 		return;
 	}
-	struct backend *backend = c->srv->backend;
-	struct region *region;
-	rc = backend->region_map(backend, &c->regions, msg, fd, &region, why, sizeof(why));
-	if (rc == 0) {
-		rc = region_insert(&c->regions, region);
-		if (rc) {
-			region_unref(region);
-			snprintf(why, sizeof(why), "out of memory");
-		}
-	}
-	if (rc) {
-		server_count_rejection(c->srv, rc == NC_ENOMEM || rc == NC_ERESOURCE_EXHAUSTED
-						       ? NC_REJECT_OUT_OF_MEMORY
-						       : NC_REJECT_BAD_REGION);
-		reply_result(c, request_id, rc, "region %llu: %s",
-			     (unsigned long long)msg->region_id, why);
+	struct region *twin = NULL;
+	if (msg->has_handle && msg->handle.len == 64)
+		twin = region_find_handle(&c->regions, msg->handle.data,
+					  msg->has_device ? msg->device : 0);
+	if (!twin) {
+		register_off_loop(c, request_id, msg, fd);
 		return;
 	}
-	log_debug("event=register client=%llu region=%llu size=%llu device=%d",
-		  (unsigned long long)c->id, (unsigned long long)msg->region_id,
-		  (unsigned long long)msg->size, region->device);
-	reply_result(c, request_id, NC_OK, NULL);
+	struct backend *backend = c->srv->backend;
+	struct region *region = NULL;
+	rc = backend->region_map(backend, twin, msg, fd, &region, why, sizeof(why));
+	register_finish(c, request_id, msg->region_id, rc, region, why);
 }
 
 static void dispatch_unregister(struct client *c, uint64_t request_id,

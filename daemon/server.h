@@ -115,6 +115,7 @@ struct client {
 	size_t out_bytes;            /* unsent bytes queued */
 	struct region_table regions;
 	unsigned jobs_in_flight;
+	bool mapping;                /* a registration is being mapped off the loop: input waits */
 };
 
 /* Accepts a connected socket; the client owns `fd` from here. */
@@ -127,6 +128,8 @@ void client_send(struct client *c, uint8_t *bytes, size_t len);
 int client_claim_fd(struct client *c);
 /* Frees a closing client once its jobs and handle are done; true if freed. */
 bool client_try_free(struct client *c);
+/* A registration finished mapping (c->mapping is clear): reads input again. */
+void client_resume(struct client *c);
 
 /* ---- replies (reply.c) ----------------------------------------------------- */
 
@@ -221,11 +224,15 @@ struct backend {
 	bool poll_completions;       /* the loop polls for completions while jobs run */
 	/*
 	 * Maps the memory a RegisterRegion names (limits and ids are already
-	 * checked). Takes ownership of `fd` (-1 if none). `table` is the
-	 * connection's regions, for sharing one mapping between regions of the
-	 * same handle. Returns 0 or NC_E* with a reason in `why`.
+	 * checked). Takes ownership of `fd` (-1 if none). `twin` is a region of
+	 * the same connection opened from the same CUDA IPC handle on the same
+	 * device, whose mapping the new region shares, or NULL. Without a twin
+	 * it runs on libuv's thread pool (opening an IPC handle takes hundreds
+	 * of microseconds the loop must not stall for) and may touch nothing but
+	 * what it creates; with one, on the loop thread. Returns 0 or NC_E*
+	 * with a reason in `why`.
 	 */
-	int (*region_map)(struct backend *backend, const struct region_table *table,
+	int (*region_map)(struct backend *backend, struct region *twin,
 			  const Normd__RegisterRegion *msg, int fd, struct region **out, char *why,
 			  size_t why_len);
 	/* Queues the job; the backend later calls job_post_completion(). */

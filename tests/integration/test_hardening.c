@@ -259,6 +259,76 @@ static void test_job_before_hello(void **state)
 }
 
 /* Hello twice and daemon-to-client messages are refused; the connection stays usable. */
+/*
+ * Requests sent back to back without waiting: a registration (mapped off the
+ * loop), a job naming that region, a second registration under the same id
+ * and an unregister. Each must see the one before it done, in order.
+ */
+static void test_pipelined_registration(void **state)
+{
+	(void)state;
+	struct raw r;
+	raw_open(&r);
+	int memfd = make_memfd(REGION_BYTES, MFD_ALLOW_SEALING);
+	Normd__RegisterRegion reg = NORMD__REGISTER_REGION__INIT;
+	reg.region_id = REGION_ID;
+	reg.kind = NORMD__REGION_KIND__HOST_MEMFD;
+	reg.size = REGION_BYTES;
+	Normd__Envelope first = NORMD__ENVELOPE__INIT;
+	first.has_request_id = true;
+	first.request_id = 500;
+	first.body_case = NORMD__ENVELOPE__BODY_REGISTER_REGION;
+	first.register_region = &reg;
+	assert_int_equal(raw_send_with_fd(r.fd, &first, memfd), 0);
+	close(memfd);
+	struct job_msg m;
+	job_msg_init(&m);
+	Normd__Envelope job = NORMD__ENVELOPE__INIT;
+	job.has_request_id = true;
+	job.request_id = 501;
+	job.body_case = NORMD__ENVELOPE__BODY_JOB;
+	job.job = &m.job;
+	assert_int_equal(raw_send(r.fd, &job), 0);
+	Normd__RegisterRegion again = NORMD__REGISTER_REGION__INIT;
+	again.region_id = REGION_ID;
+	again.kind = NORMD__REGION_KIND__CUDA_IPC;
+	again.size = REGION_BYTES;
+	Normd__Envelope second = first;
+	second.request_id = 502;
+	second.register_region = &again;
+	assert_int_equal(raw_send(r.fd, &second), 0);
+	Normd__UnregisterRegion unreg = NORMD__UNREGISTER_REGION__INIT;
+	unreg.region_id = REGION_ID;
+	Normd__Envelope gone = NORMD__ENVELOPE__INIT;
+	gone.has_request_id = true;
+	gone.request_id = 503;
+	gone.body_case = NORMD__ENVELOPE__BODY_UNREGISTER_REGION;
+	gone.unregister_region = &unreg;
+	assert_int_equal(raw_send(r.fd, &gone), 0);
+	/* A job is answered when it completes, so replies may come in any order. */
+	Normd__Status want[4] = {NORMD__STATUS__OK, NORMD__STATUS__OK,
+				 NORMD__STATUS__ALREADY_EXISTS, NORMD__STATUS__OK};
+	bool seen[4] = {false};
+	for (int i = 0; i < 4; i++) {
+		Normd__Envelope *env = raw_recv(r.fd, 5000);
+		assert_non_null(env);
+		assert_true(env->request_id >= 500 && env->request_id <= 503);
+		int k = (int)(env->request_id - 500);
+		assert_false(seen[k]);
+		seen[k] = true;
+		Normd__Status got = env->body_case == NORMD__ENVELOPE__BODY_JOB_REPLY
+					    ? env->job_reply->status
+					    : env->result->status;
+		if (got != want[k])
+			fprintf(stderr, "request %d: status %d, wanted %d\n", 500 + k, (int)got,
+				(int)want[k]);
+		assert_int_equal(got, want[k]);
+		nc__envelope_free(env);
+	}
+	close(r.fd);
+	assert_others_unharmed();
+}
+
 static void test_out_of_order_messages(void **state)
 {
 	(void)state;
@@ -593,6 +663,7 @@ int main(void)
 		cmocka_unit_test(test_wrong_wire_type),
 		cmocka_unit_test(test_job_before_hello),
 		cmocka_unit_test(test_out_of_order_messages),
+		cmocka_unit_test(test_pipelined_registration),
 		cmocka_unit_test(test_unknown_enum_values),
 		cmocka_unit_test(test_eps_edges),
 		cmocka_unit_test(test_size_overflow),
