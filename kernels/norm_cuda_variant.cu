@@ -213,6 +213,92 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 	return true;
 }
 
+size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s)
+{
+	(void)s;
+	/* Two stages of the row: x (forward), or x or y and dy (backward). */
+	return (size_t)(is_bwd(a) ? 4 : 2) * (size_t)a->cols * nk_dtype_size(a->dtype);
+}
+
+/* Whether a block_smem launch of `threads` threads fits the device's shared memory. */
+static bool smem_fits(const struct nk_norm_args *a, const struct nk_device_info *dev,
+		      const Shape &s)
+{
+	/* The static reduction scratch and the 1 KB the runtime reserves. */
+	const size_t fixed = sizeof(RedSmem) + 1024;
+	return dev->cc_major >= 8 && smem_stage_bytes(a, s) + fixed <= dev->max_smem_per_block_optin;
+}
+
+/* Backward grid cap of a block_smem shape, from the reference device. */
+static int smem_units_cap(const struct nk_norm_args *a, const Shape &s)
+{
+	const size_t ref_smem = 228 * 1024; /* shared memory of an sm_90 multiprocessor */
+	int regs = 40 + 2 * s.NV * vec_of(a); /* estimate: the dgamma/dbeta sums and 40 */
+	int per_sm = 2048 / s.threads;
+	int by_regs = 65536 / (s.threads * ((regs + 7) / 8 * 8));
+	int by_smem = (int)(ref_smem / (smem_stage_bytes(a, s) + sizeof(RedSmem) + 1024));
+	if (by_regs < per_sm)
+		per_sm = by_regs;
+	if (by_smem < per_sm)
+		per_sm = by_smem;
+	if (per_sm < 1)
+		per_sm = 1;
+	return REF_SMS * per_sm;
+}
+
+/*
+ * A block_smem variant: a block of up to `block_max` threads a row, `nv`
+ * vectors a thread (backward: at most SMEM_BWD_MAX_ELEMS elements, whose
+ * dgamma/dbeta sums stay in registers). False if none fits the job.
+ */
+static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int nv,
+			 int block_max, struct nk_variant *v)
+{
+	const int vec = vec_of(a);
+	const int64_t nvec = a->cols / vec;
+	const int tmax = is_bwd(a) ? MAX_THREADS : SMEM_FWD_MAX_THREADS;
+
+	if (!tiled_layout_ok(a) || nv < 1 || (is_bwd(a) && nv * vec > SMEM_BWD_MAX_ELEMS))
+		return false;
+	if (block_max > tmax)
+		block_max = tmax;
+	int64_t threads = (nvec + nv - 1) / nv;
+	threads = (threads + 31) / 32 * 32;
+	if (threads > block_max || threads < 64)
+		return false;
+	memset(v, 0, sizeof(*v));
+	v->family = NK_FAMILY_BLOCK_SMEM;
+	v->threads = (uint16_t)threads;
+	v->rows_per_block = 1;
+	v->vec_elems = (uint16_t)vec;
+	v->param = shape_param(nv, 1, 0, false);
+	Shape s = shape_of(v);
+	if (!smem_fits(a, dev, s))
+		return false;
+	if (is_bwd(a))
+		v->param = shape_param(nv, 1, smem_units_cap(a, s), false);
+	return true;
+}
+
+static bool smem_variant_fits(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			      const struct nk_variant *v, const Shape &s)
+{
+	const int vec = vec_of(a);
+	const int64_t nvec = a->cols / vec;
+	const int tmax = is_bwd(a) ? MAX_THREADS : SMEM_FWD_MAX_THREADS;
+	const int maxnv = is_bwd(a) ? SMEM_BWD_MAX_ELEMS / vec : 16;
+
+	if (!tiled_layout_ok(a) || v->vec_elems != vec || s.R != 1 || s.K != 1 || s.split)
+		return false;
+	if (s.threads < 64 || s.threads > tmax || s.threads % 32 != 0)
+		return false;
+	if (s.NV < 1 || s.NV > maxnv || (s.NV & (s.NV - 1)) != 0)
+		return false;
+	if (is_bwd(a) && s.units_cap < 1)
+		return false;
+	return (int64_t)s.threads * s.NV >= nvec && smem_fits(a, dev, s);
+}
+
 static void generic_variant(const struct nk_norm_args *a, struct nk_variant *v)
 {
 	memset(v, 0, sizeof(*v));
@@ -326,10 +412,22 @@ static int dispatch(const struct nk_norm_args *a, const struct nk_device_info *d
 	if (!is_bwd(a)) {
 		if (s.family == NK_FAMILY_GENERIC)
 			return launch_fwd_generic(a, dev, s, stream);
+		if (s.family == NK_FAMILY_BLOCK_SMEM)
+			return launch_fwd_smem(a, dev, s, stream);
 		return launch_fwd_tiled(a, dev, s, stream);
 	}
 	if (s.family == NK_FAMILY_GENERIC) {
 		rc = launch_bwd_generic(a, dev, s, part, stream);
+	} else if (s.family == NK_FAMILY_BLOCK_SMEM) {
+		float *rg = NULL;
+		if (a->flags & NK_MEMORY_EFFICIENT) {
+			rg = reinterpret_cast<float *>(static_cast<char *>(exec->workspace) +
+						       partials_bytes(a, v));
+			rc = launch_reciprocal_gamma(a, rg, stream);
+			if (rc != NK_OK)
+				return rc;
+		}
+		rc = launch_bwd_smem(a, dev, s, part, rg, stream);
 	} else {
 		char *ws = static_cast<char *>(exec->workspace);
 		float *rg = NULL, *sums = NULL;
@@ -356,6 +454,19 @@ using namespace nkc;
 
 extern "C" {
 
+/* The block_smem default of a row too wide for a block's registers, if one fits. */
+static bool smem_default(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			 struct nk_variant *v)
+{
+	if (is_bwd(a))
+		return smem_variant(a, dev, SMEM_BWD_MAX_ELEMS / vec_of(a), MAX_THREADS, v);
+	for (int nv = 1; nv <= 16; nv *= 2) {
+		if (smem_variant(a, dev, nv, SMEM_FWD_MAX_THREADS, v))
+			return true;
+	}
+	return false;
+}
+
 int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_device_info *dev,
 			    struct nk_variant *out)
 {
@@ -364,12 +475,18 @@ int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_dev
 	int nv = max_nv(args);
 	if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) || shape_of(out).K > 1) {
 		/*
-		 * Backward rows wider than a block run split: clusters lose to it
-		 * from 4 blocks on, and at 2 blocks lose the memory-efficient
-		 * backward 15-25% while winning the standard one by at most 6%
-		 * (BENCHMARKS.md). Forward keeps its clusters.
+		 * Rows wider than a block's registers: the row staged in shared
+		 * memory where it fits, else backward runs split (clusters lose
+		 * to it from 4 blocks on, and at 2 blocks lose the
+		 * memory-efficient backward 15-25% while winning the standard
+		 * one by at most 6%, BENCHMARKS.md) and forward keeps its
+		 * clusters.
 		 */
-		if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, true, out))
+		if (smem_default(args, dev, out))
+			return NK_OK;
+		if (is_bwd(args) && !tiled_variant(args, dev, nv, 256, MAX_THREADS, true, out))
+			generic_variant(args, out);
+		else if (!is_bwd(args) && !tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out))
 			generic_variant(args, out);
 	}
 	return NK_OK;
@@ -385,6 +502,19 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 		return 0;
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
+	/* Rows of a block or more: block_smem shapes first (the cap of callers is small). */
+	for (int k = 0; k < 3 && n < max && args->cols / vec_of(args) > 512; k++) {
+		int nv = is_bwd(args) ? SMEM_BWD_MAX_ELEMS / vec_of(args) >> k : 2 << k;
+		if (!smem_variant(args, dev, nv, is_bwd(args) ? MAX_THREADS : SMEM_FWD_MAX_THREADS,
+				  &v) ||
+		    v.threads < 128)
+			continue;
+		bool seen = false;
+		for (int i = 0; i < n; i++)
+			seen = seen || memcmp(&out[i], &v, sizeof(v)) == 0;
+		if (!seen)
+			out[n++] = v;
+	}
 	for (int nv = max_nv(args); nv >= 1 && n < max; nv /= 2) {
 		for (int k = 0; k < 12 && n < max; k++) {
 			int wt = 128 << (k % 3), bm = k % 6 < 3 ? MAX_THREADS : 256;
@@ -413,6 +543,8 @@ bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_devic
 	case NK_FAMILY_WARP_ROWS:
 	case NK_FAMILY_BLOCK_ROW:
 		return tiled_fits(args, dev, variant, s);
+	case NK_FAMILY_BLOCK_SMEM:
+		return smem_variant_fits(args, dev, variant, s);
 	case NK_FAMILY_GENERIC:
 		return s.threads == 256 && (s.R == 1 || s.R == 8) && s.NV == 1 && s.K == 1 &&
 		       variant->vec_elems == 1 && (!is_bwd(args) || s.units_cap >= 1);
