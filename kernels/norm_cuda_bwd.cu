@@ -407,24 +407,36 @@ int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaS
 }
 
 /*
- * block_smem backward: a block owns whole rows, one at a time (persistent
- * over rows). Thread t owns vectors j * G + t of every row and keeps the
- * dgamma/dbeta sums of those columns in registers, as the tiled kernel
- * does, but the row itself (x or y, and dy) is staged in shared memory by
- * cp.async, two stages deep: while a row is reduced and written, the next
- * one is in flight. A thread reads back only what it copied itself, so the
- * stages need no barrier; one block reduction a row remains. Partial row
- * b of the workspace is block b's; the grid is min(rows, units_cap).
+ * block_smem backward: a block (or, on sm_90, a cluster of K blocks) owns
+ * whole rows, one at a time (persistent over rows). Thread t of rank r
+ * owns vectors (j * K + r) * G + t of every row and keeps the dgamma/dbeta
+ * sums of those columns in registers, as the tiled kernel does, but the row
+ * itself (x or y, and dy) is staged in shared memory by cp.async, two
+ * stages deep: while a row is reduced and written, the next one is in
+ * flight. A thread reads back only the slots it copied itself, so the
+ * stages need no barrier; one block (cluster) reduction a row remains.
+ * Partial row u of the workspace is row group u's; the grid is
+ * min(rows, units_cap) groups. Cluster blocks have at most 256 threads, so
+ * that the cluster reduction finds registers to spare beside the sums.
  */
-template <typename T, typename W, int NV>
-__global__ void __launch_bounds__(MAX_THREADS, 1) bwd_smem(const Params p)
+template <typename T, typename W, int NV, bool CLUSTER>
+__global__ void __launch_bounds__(CLUSTER ? SMEM_CLUSTER_MAX_THREADS : MAX_THREADS, 1)
+    bwd_smem(const Params p)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	constexpr int E = NV * VEC;
-	extern __shared__ uint4 stage[]; /* [2 stages][x, dy][nvec] */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+	if constexpr (CLUSTER) { /* clusters are sm_90 only; the variant rules keep to that */
+		__trap();
+		return;
+	}
+#endif
+	extern __shared__ uint4 stage[]; /* [2 stages][x, dy][NV * G slots] */
 	__shared__ RedSmem sm;
-	const int t = threadIdx.x, G = blockDim.x;
-	const int64_t n = p.nvec;
+	const int t = threadIdx.x, G = blockDim.x, slots = NV * G;
+	const int K = CLUSTER ? p.K : 1; /* a compile-time 1 keeps the sums in registers */
+	const int rank = cluster_rank(K);
+	const int64_t first = blockIdx.x / K, stride = gridDim.x / K;
 	const bool sums = p.f & (F_DGAMMA | F_DBETA);
 	int vi[NV];
 	float ag[E], ab[E];
@@ -432,7 +444,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_smem(const Params p)
 
 #pragma unroll
 	for (int j = 0; j < NV; j++)
-		vi[j] = j * G + t;
+		vi[j] = (j * K + rank) * G + t;
 #pragma unroll
 	for (int e = 0; e < E; e++) {
 		ag[e] = 0.0f;
@@ -445,33 +457,32 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_smem(const Params p)
 		    reinterpret_cast<const uint4 *>(static_cast<const T *>(p.dy) + row * p.cols);
 #pragma unroll
 		for (int j = 0; j < NV; j++) {
-			if (vi[j] < n) {
-				cp_async16(dst + vi[j], bx + vi[j]);
-				cp_async16(dst + n + vi[j], bd + vi[j]);
+			if (vi[j] < p.nvec) {
+				cp_async16(dst + j * G + t, bx + vi[j]);
+				cp_async16(dst + slots + j * G + t, bd + vi[j]);
 			}
 		}
 	};
-	int64_t row = blockIdx.x;
-	issue(row, stage);
+	issue(first, stage);
 	cp_async_commit();
-	RowStats cst = load_stats(p, row, true);
-	for (; row < p.rows; row += gridDim.x) {
-		const int64_t next = row + gridDim.x;
+	RowStats cst = load_stats(p, first, true);
+	for (int64_t row = first; row < p.rows; row += stride) {
+		const int64_t next = row + stride;
 		const bool nvalid = next < p.rows;
 		if (nvalid)
-			issue(next, stage + 2 * n * (st ^ 1));
+			issue(next, stage + 2 * slots * (st ^ 1));
 		cp_async_commit();
 		RowStats nst = load_stats(p, next, nvalid);
 		cp_async_wait<1>();
-		const uint4 *cx = stage + 2 * n * st, *cd = cx + n;
+		const uint4 *cx = stage + 2 * slots * st, *cd = cx + slots;
 		float s[2] = {0.0f, 0.0f};
 #pragma unroll
 		for (int j = 0; j < NV; j++) {
-			if (vi[j] >= n)
+			if (vi[j] >= p.nvec)
 				continue;
 			float xh[VEC], dy[VEC], gg[VEC];
-			vector_terms<T, W>(p, cx[vi[j]], cd[vi[j]], vi[j] * VEC, true, cst, xh, dy,
-					   gg);
+			vector_terms<T, W>(p, cx[j * G + t], cd[j * G + t], vi[j] * VEC, true, cst,
+					   xh, dy, gg);
 #pragma unroll
 			for (int i = 0; i < VEC; i++) {
 				s[0] += gg[i];
@@ -485,7 +496,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_smem(const Params p)
 				}
 			}
 		}
-		group_reduce<SumOp<2>>(s, G, 1, sm, parity);
+		group_reduce<SumOp<2>>(s, G, K, sm, parity);
 		parity ^= 1;
 		const float m1 = (p.f & F_LN) ? s[0] * p.inv_cols : 0.0f, m2 = s[1] * p.inv_cols;
 		uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.dx) + row * p.cols);
@@ -494,11 +505,11 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_smem(const Params p)
 		q.beta = launder(q.beta);
 #pragma unroll
 		for (int j = 0; j < NV; j++) {
-			if (vi[j] >= n)
+			if (vi[j] >= p.nvec)
 				continue;
 			float xh[VEC], dy[VEC], gg[VEC], dx[VEC];
-			vector_terms<T, W>(q, cx[vi[j]], cd[vi[j]], vi[j] * VEC, true, cst, xh, dy,
-					   gg);
+			vector_terms<T, W>(q, cx[j * G + t], cd[j * G + t], vi[j] * VEC, true, cst,
+					   xh, dy, gg);
 #pragma unroll
 			for (int i = 0; i < VEC; i++)
 				dx[i] = cst.rstd * (gg[i] - m1 - xh[i] * m2);
@@ -508,18 +519,27 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_smem(const Params p)
 		st ^= 1;
 	}
 	if (sums)
-		write_partials<NV, VEC>(p, blockIdx.x, vi, ag, ab);
+		write_partials<NV, VEC>(p, first, vi, ag, ab);
+	cluster_done(K);
 }
 
 template <typename T, typename W, int NV>
 int run_smem(const Params &p, const struct nk_device_info *dev, const Shape &s, size_t smem,
 	     cudaStream_t stream)
 {
-	constexpr auto kern = bwd_smem<T, W, NV>;
 	const int64_t units = p.rows < s.units_cap ? p.rows : s.units_cap;
-	cudaError_t err = allow_smem<kern>(dev, smem);
-	if (err == cudaSuccess)
-		err = launch_kernel(kern, units, s.threads, 1, stream, p, smem);
+	cudaError_t err;
+	if (s.K == 1) {
+		constexpr auto kern = bwd_smem<T, W, NV, false>;
+		err = allow_smem<kern>(dev, smem);
+		if (err == cudaSuccess)
+			err = launch_kernel(kern, units, s.threads, 1, stream, p, smem);
+	} else {
+		constexpr auto kern = bwd_smem<T, W, NV, true>;
+		err = allow_smem<kern>(dev, smem);
+		if (err == cudaSuccess)
+			err = launch_kernel(kern, units * s.K, s.threads, s.K, stream, p, smem);
+	}
 	return err == cudaSuccess ? NK_OK : set_error(err, "block_smem backward launch");
 }
 
@@ -531,7 +551,7 @@ int launch_bwd_smem(const struct nk_norm_args *a, const struct nk_device_info *d
 	Params p = params_of(a);
 	p.rg = rg;
 	p.G = s.threads;
-	p.K = 1;
+	p.K = s.K;
 	p.R = 1;
 	p.iters = a->rows;
 	p.part = part;

@@ -112,7 +112,7 @@ int launch_fwd_smem(const struct nk_norm_args *a, const struct nk_device_info *d
 		    cudaStream_t stream);
 int launch_bwd_smem(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
 		    float *part, const float *rg, cudaStream_t stream);
-/* Dynamic shared memory of a block_smem variant (whole row, two stages). */
+/* Dynamic shared memory of a block_smem variant (its slice of the row, two stages). */
 size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s);
 /* Memory-efficient backward: rg[c] = 1 / clamp(gamma[c]), before the kernel. */
 int launch_reciprocal_gamma(const struct nk_norm_args *a, float *rg, cudaStream_t stream);
@@ -419,15 +419,16 @@ template <int N> __device__ __forceinline__ void cp_async_wait()
 /* ---- host helpers ------------------------------------------------------------ */
 
 /*
- * Lets kern use `bytes` of dynamic shared memory (above the default 48 KB an
- * opt-in per function and device); remembered per device so it is set once.
+ * Lets kern use `bytes` of dynamic shared memory (static plus dynamic above
+ * 48 KB is an opt-in per function and device); remembered per device.
  */
 template <auto kern> static inline cudaError_t allow_smem(const struct nk_device_info *dev,
 							  size_t bytes)
 {
 	static size_t allowed[16];
 	const int slot = dev->ordinal >= 0 && dev->ordinal < 16 ? dev->ordinal : 0;
-	if (bytes <= 48 * 1024 || __atomic_load_n(&allowed[slot], __ATOMIC_RELAXED) >= bytes)
+	/* Static shared memory counts against the default too: ask for any dynamic. */
+	if (bytes == 0 || __atomic_load_n(&allowed[slot], __ATOMIC_RELAXED) >= bytes)
 		return cudaSuccess;
 	cudaError_t err =
 	    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
@@ -533,6 +534,8 @@ constexpr int FWD_MAX_ELEMS = 32;
 constexpr int BWD_MAX_NV = 2;
 /* Elements a block_smem backward thread keeps dgamma/dbeta sums for. */
 constexpr int SMEM_BWD_MAX_ELEMS = 32;
+/* Threads per block of a block_smem backward cluster, at most. */
+constexpr int SMEM_CLUSTER_MAX_THREADS = 256;
 /* Threads per block of the block_smem forward, at most. */
 constexpr int SMEM_FWD_MAX_THREADS = 1024;
 /* Threads per block of the tiled kernels, at most; backward on sm_80. */

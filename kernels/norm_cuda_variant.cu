@@ -37,6 +37,7 @@ static thread_local char last_error[256] = "no error";
 
 int set_error(cudaError_t err, const char *where)
 {
+	(void)cudaGetLastError(); /* a failed launch must not fail the next check */
 	snprintf(last_error, sizeof(last_error), "%s: %s (%s)", where, cudaGetErrorString(err),
 		 cudaGetErrorName(err));
 	return NK_EDEVICE;
@@ -215,9 +216,10 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 
 size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s)
 {
-	(void)s;
-	/* Two stages of the row: x (forward), or x or y and dy (backward). */
-	return (size_t)(is_bwd(a) ? 4 : 2) * (size_t)a->cols * nk_dtype_size(a->dtype);
+	/* Two stages: the row of x (forward), or a block's slots of x or y and dy. */
+	if (!is_bwd(a))
+		return (size_t)2 * (size_t)a->cols * nk_dtype_size(a->dtype);
+	return (size_t)4 * 16 * (size_t)s.NV * (size_t)s.threads;
 }
 
 /* Whether a block_smem launch of `threads` threads fits the device's shared memory. */
@@ -233,7 +235,9 @@ static bool smem_fits(const struct nk_norm_args *a, const struct nk_device_info 
 static int smem_units_cap(const struct nk_norm_args *a, const Shape &s)
 {
 	const size_t ref_smem = 228 * 1024; /* shared memory of an sm_90 multiprocessor */
-	int regs = 40 + 2 * s.NV * vec_of(a); /* estimate: the dgamma/dbeta sums and 40 */
+	/* Estimates: the dgamma/dbeta sums and 40; clusters (256 threads) take more. */
+	const int elems = s.NV * vec_of(a);
+	int regs = s.K > 1 ? 48 + 5 * elems : 40 + 2 * elems;
 	int per_sm = 2048 / s.threads;
 	int by_regs = 65536 / (s.threads * ((regs + 7) / 8 * 8));
 	int by_smem = (int)(ref_smem / (smem_stage_bytes(a, s) + sizeof(RedSmem) + 1024));
@@ -243,7 +247,7 @@ static int smem_units_cap(const struct nk_norm_args *a, const Shape &s)
 		per_sm = by_smem;
 	if (per_sm < 1)
 		per_sm = 1;
-	return REF_SMS * per_sm;
+	return REF_SMS * per_sm / s.K;
 }
 
 /*
@@ -252,7 +256,7 @@ static int smem_units_cap(const struct nk_norm_args *a, const Shape &s)
  * dgamma/dbeta sums stay in registers). False if none fits the job.
  */
 static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int nv,
-			 int block_max, struct nk_variant *v)
+			 int K, int block_max, struct nk_variant *v)
 {
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
@@ -260,9 +264,11 @@ static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_in
 
 	if (!tiled_layout_ok(a) || nv < 1 || (is_bwd(a) && nv * vec > SMEM_BWD_MAX_ELEMS))
 		return false;
-	if (block_max > tmax)
-		block_max = tmax;
-	int64_t threads = (nvec + nv - 1) / nv;
+	if (K != 1 && (!is_bwd(a) || dev->cc_major < 9))
+		return false;
+	if (block_max > (K > 1 ? SMEM_CLUSTER_MAX_THREADS : tmax))
+		block_max = K > 1 ? SMEM_CLUSTER_MAX_THREADS : tmax;
+	int64_t threads = (nvec + (int64_t)nv * K - 1) / ((int64_t)nv * K);
 	threads = (threads + 31) / 32 * 32;
 	if (threads > block_max || threads < 64)
 		return false;
@@ -271,12 +277,12 @@ static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_in
 	v->threads = (uint16_t)threads;
 	v->rows_per_block = 1;
 	v->vec_elems = (uint16_t)vec;
-	v->param = shape_param(nv, 1, 0, false);
+	v->param = shape_param(nv, K, 0, false);
 	Shape s = shape_of(v);
 	if (!smem_fits(a, dev, s))
 		return false;
 	if (is_bwd(a))
-		v->param = shape_param(nv, 1, smem_units_cap(a, s), false);
+		v->param = shape_param(nv, K, smem_units_cap(a, s), false);
 	return true;
 }
 
@@ -288,7 +294,10 @@ static bool smem_variant_fits(const struct nk_norm_args *a, const struct nk_devi
 	const int tmax = is_bwd(a) ? MAX_THREADS : SMEM_FWD_MAX_THREADS;
 	const int maxnv = is_bwd(a) ? SMEM_BWD_MAX_ELEMS / vec : 16;
 
-	if (!tiled_layout_ok(a) || v->vec_elems != vec || s.R != 1 || s.K != 1 || s.split)
+	if (!tiled_layout_ok(a) || v->vec_elems != vec || s.R != 1 || s.split)
+		return false;
+	if (s.K != 1 && (!is_bwd(a) || dev->cc_major < 9 || s.K > MAX_CLUSTER ||
+			 (s.K & (s.K - 1)) != 0 || s.threads > SMEM_CLUSTER_MAX_THREADS))
 		return false;
 	if (s.threads < 64 || s.threads > tmax || s.threads % 32 != 0)
 		return false;
@@ -296,7 +305,7 @@ static bool smem_variant_fits(const struct nk_norm_args *a, const struct nk_devi
 		return false;
 	if (is_bwd(a) && s.units_cap < 1)
 		return false;
-	return (int64_t)s.threads * s.NV >= nvec && smem_fits(a, dev, s);
+	return (int64_t)s.threads * s.NV * s.K >= nvec && smem_fits(a, dev, s);
 }
 
 static void generic_variant(const struct nk_norm_args *a, struct nk_variant *v)
@@ -459,9 +468,9 @@ static bool smem_default(const struct nk_norm_args *a, const struct nk_device_in
 			 struct nk_variant *v)
 {
 	if (is_bwd(a))
-		return smem_variant(a, dev, SMEM_BWD_MAX_ELEMS / vec_of(a), MAX_THREADS, v);
+		return smem_variant(a, dev, SMEM_BWD_MAX_ELEMS / vec_of(a), 1, MAX_THREADS, v);
 	for (int nv = 1; nv <= 16; nv *= 2) {
-		if (smem_variant(a, dev, nv, SMEM_FWD_MAX_THREADS, v))
+		if (smem_variant(a, dev, nv, 1, SMEM_FWD_MAX_THREADS, v))
 			return true;
 	}
 	return false;
@@ -503,10 +512,15 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
 	/* Rows of a block or more: block_smem shapes first (the cap of callers is small). */
-	for (int k = 0; k < 3 && n < max && args->cols / vec_of(args) > 512; k++) {
-		int nv = is_bwd(args) ? SMEM_BWD_MAX_ELEMS / vec_of(args) >> k : 2 << k;
-		if (!smem_variant(args, dev, nv, is_bwd(args) ? MAX_THREADS : SMEM_FWD_MAX_THREADS,
-				  &v) ||
+	for (int k = 0; k < 5 && n < max && args->cols / vec_of(args) > 512; k++) {
+		/* Forward: 2, 4, 8 vectors a thread. Backward: the most, half, and clusters of 2, 4. */
+		const int most = SMEM_BWD_MAX_ELEMS / vec_of(args);
+		int nv = is_bwd(args) ? (k == 1 ? most / 2 : most) : 2 << k;
+		int K = is_bwd(args) && k >= 2 ? 1 << (k - 1) : 1; /* 2, 4, 8 */
+		if (!is_bwd(args) && k >= 3)
+			break;
+		if (!smem_variant(args, dev, nv, K,
+				  is_bwd(args) ? MAX_THREADS : SMEM_FWD_MAX_THREADS, &v) ||
 		    v.threads < 128)
 			continue;
 		bool seen = false;
