@@ -9,6 +9,9 @@
  *     G > 32 is a whole block, and on sm_90 a thread-block cluster of K
  *     blocks may share one row, exchanging partial sums through distributed
  *     shared memory. Needs 16-byte aligned tensors and cols % VEC == 0.
+ *   - block_smem (NK_FAMILY_BLOCK_SMEM): a block (backward on sm_90 also a
+ *     cluster) owns a row at a time and stages it in shared memory with
+ *     cp.async, the next row(s) in flight; for rows wider than registers hold.
  *   - generic (NK_FAMILY_GENERIC): scalar loads, several passes over a row
  *     (the later ones hit L2); any cols, any alignment.
  * Backward writes per-row-group dgamma/dbeta partials (fp32) to the
@@ -67,6 +70,7 @@ struct Params {
 	int K;	  /* blocks sharing a row: a cluster, or (F_PRESUMS) column slices */
 	int R;	  /* rows a block holds at a time */
 	int nvec; /* 16-byte vectors per row (tiled family) */
+	int stages; /* block_smem backward: rows staged in shared memory (2 or 3) */
 };
 
 /* Decoded launch shape of a variant. */
@@ -79,13 +83,18 @@ struct Shape {
 	int K;	       /* blocks sharing a row */
 	bool split;    /* backward: K column slices after a row-sums kernel, no cluster */
 	int units_cap; /* backward: most row groups (clusters) in the grid */
+	int stages;    /* block_smem: rows staged in shared memory at a time */
 };
 
-/* The variant param word: NV | K << 8 | units_cap << 16 | split << 31. */
+/*
+ * The variant param word: NV | (stages - 2) << 5 | K << 8 | units_cap << 16 |
+ * split << 31 (NV <= 16; stages only for block_smem, 0 elsewhere).
+ */
 constexpr int MAX_UNITS_CAP = 0x7fff;
-static inline uint32_t shape_param(int nv, int k, int cap, bool split)
+static inline uint32_t shape_param(int nv, int k, int cap, bool split, int stages = 2)
 {
-	return (uint32_t)nv | (uint32_t)k << 8 | (uint32_t)cap << 16 | (uint32_t)split << 31;
+	return (uint32_t)nv | (uint32_t)(stages - 2) << 5 | (uint32_t)k << 8 |
+	       (uint32_t)cap << 16 | (uint32_t)split << 31;
 }
 
 Shape shape_of(const struct nk_variant *v);

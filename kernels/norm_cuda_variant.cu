@@ -12,9 +12,16 @@
  *     go to a piece of a warp, wider rows to a block of up to 512 threads
  *     (256 for backward on sm_80), and forward rows wider than one block
  *     holds to a cluster of 2, 4 or 8 blocks (sm_90);
- *   - backward rows wider than one block are split: a row-sums kernel, then
- *     K column slices of up to 16 independent blocks (also on sm_80);
- *     clusters stay autotuning candidates;
+ *   - rows wider than a block's registers are staged in shared memory
+ *     (block_smem: a block a row, cp.async two or three rows deep) where the
+ *     stages fit the device's opt-in shared memory: backward on one block of
+ *     up to 512 threads (32 elements a thread), else on a cluster of 2
+ *     (sm_90); forward on one block of up to 1024 threads. Forward rows that
+ *     one tiled block holds but that leave fewer than 16 warps resident
+ *     (12288 columns) are staged too;
+ *   - other backward rows wider than one block are split: a row-sums
+ *     kernel, then K column slices of up to 16 independent blocks (also on
+ *     sm_80); clusters stay autotuning candidates;
  *   - the backward grid is capped by units_cap, computed for a reference
  *     device of REF_SMS multiprocessors and never from the actual one, so the
  *     partial rows (hence the weight gradients' bits) depend on the shape and
@@ -61,7 +68,8 @@ Shape shape_of(const struct nk_variant *v)
 	s.threads = v->threads;
 	s.R = v->rows_per_block > 0 ? v->rows_per_block : 1;
 	s.G = s.threads / s.R;
-	s.NV = (int)(v->param & 0xff);
+	s.NV = (int)(v->param & 0x1f);
+	s.stages = 2 + (int)((v->param >> 5) & 7);
 	s.K = (int)((v->param >> 8) & 0xff);
 	s.units_cap = (int)((v->param >> 16) & MAX_UNITS_CAP);
 	s.split = (v->param >> 31) != 0;
@@ -219,7 +227,7 @@ size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s)
 	/* Two stages: the row of x (forward), or a block's slots of x or y and dy. */
 	if (!is_bwd(a))
 		return (size_t)2 * (size_t)a->cols * nk_dtype_size(a->dtype);
-	return (size_t)4 * 16 * (size_t)s.NV * (size_t)s.threads;
+	return (size_t)s.stages * 2 * 16 * (size_t)s.NV * (size_t)s.threads;
 }
 
 /* Whether a block_smem launch of `threads` threads fits the device's shared memory. */
@@ -256,7 +264,7 @@ static int smem_units_cap(const struct nk_norm_args *a, const Shape &s)
  * dgamma/dbeta sums stay in registers). False if none fits the job.
  */
 static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int nv,
-			 int K, int block_max, struct nk_variant *v)
+			 int K, int stages, int block_max, struct nk_variant *v)
 {
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
@@ -277,12 +285,14 @@ static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_in
 	v->threads = (uint16_t)threads;
 	v->rows_per_block = 1;
 	v->vec_elems = (uint16_t)vec;
-	v->param = shape_param(nv, K, 0, false);
+	if (stages != 2 && (!is_bwd(a) || stages != 3))
+		return false;
+	v->param = shape_param(nv, K, 0, false, stages);
 	Shape s = shape_of(v);
 	if (!smem_fits(a, dev, s))
 		return false;
 	if (is_bwd(a))
-		v->param = shape_param(nv, K, smem_units_cap(a, s), false);
+		v->param = shape_param(nv, K, smem_units_cap(a, s), false, stages);
 	return true;
 }
 
@@ -302,6 +312,8 @@ static bool smem_variant_fits(const struct nk_norm_args *a, const struct nk_devi
 	if (s.threads < 64 || s.threads > tmax || s.threads % 32 != 0)
 		return false;
 	if (s.NV < 1 || s.NV > maxnv || (s.NV & (s.NV - 1)) != 0)
+		return false;
+	if (s.stages != 2 && (!is_bwd(a) || s.stages != 3))
 		return false;
 	if (is_bwd(a) && s.units_cap < 1)
 		return false;
@@ -332,7 +344,7 @@ static bool tiled_fits(const struct nk_norm_args *a, const struct nk_device_info
 
 	if (!tiled_layout_ok(a) || v->vec_elems != vec)
 		return false;
-	if (s.NV < 1 || s.NV > max_nv(a) || (s.NV & (s.NV - 1)) != 0)
+	if (s.NV < 1 || s.NV > max_nv(a) || (s.NV & (s.NV - 1)) != 0 || s.stages != 2)
 		return false;
 	if (s.threads < 32 || s.threads > block_limit(a, dev) || s.threads % 32 != 0 ||
 	    s.threads % s.R != 0)
@@ -463,17 +475,45 @@ using namespace nkc;
 
 extern "C" {
 
-/* The block_smem default of a row too wide for a block's registers, if one fits. */
+/*
+ * The block_smem default, if one fits: the fewest vectors a thread (the most
+ * threads, up to the block limit), backward on one block, else a cluster of
+ * 2. Backward stages three rows where they fit.
+ */
 static bool smem_default(const struct nk_norm_args *a, const struct nk_device_info *dev,
 			 struct nk_variant *v)
 {
-	if (is_bwd(a))
-		return smem_variant(a, dev, SMEM_BWD_MAX_ELEMS / vec_of(a), 1, MAX_THREADS, v);
-	for (int nv = 1; nv <= 16; nv *= 2) {
-		if (smem_variant(a, dev, nv, 1, SMEM_FWD_MAX_THREADS, v))
-			return true;
+	if (!is_bwd(a)) {
+		for (int nv = 1; nv <= 16; nv *= 2) {
+			if (smem_variant(a, dev, nv, 1, 2, SMEM_FWD_MAX_THREADS, v))
+				return true;
+		}
+		return false;
+	}
+	for (int K = 1; K <= 2; K++) {
+		for (int nv = 1; nv * vec_of(a) <= SMEM_BWD_MAX_ELEMS; nv *= 2) {
+			if (smem_variant(a, dev, nv, K, 3, MAX_THREADS, v) ||
+			    smem_variant(a, dev, nv, K, 2, MAX_THREADS, v))
+				return true;
+		}
 	}
 	return false;
+}
+
+/*
+ * Whether a forward row that one block holds in registers runs better staged:
+ * a tiled block that leaves fewer than 16 warps resident on a multiprocessor
+ * (1.5 blocks' worth of registers, e.g. 384 threads at 12288 bf16 columns)
+ * loses 2-7% to block_smem, which holds no row in registers.
+ */
+static bool fwd_prefers_smem(const struct nk_norm_args *a, const struct nk_variant *tiled)
+{
+	const Shape s = shape_of(tiled);
+	if (is_bwd(a) || s.family != NK_FAMILY_BLOCK_ROW || s.R != 1 || s.K != 1)
+		return false;
+	const int regs = 112; /* forward tiled at 32 elements a thread, rounded */
+	const int blocks = 65536 / (s.threads * regs);
+	return blocks * s.threads / 32 < 16;
 }
 
 int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_device_info *dev,
@@ -482,6 +522,13 @@ int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_dev
 	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
 		return NK_EINVAL;
 	int nv = max_nv(args);
+	if (tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) &&
+	    fwd_prefers_smem(args, out)) {
+		struct nk_variant v;
+		if (smem_variant(args, dev, nv, 1, 2, SMEM_FWD_MAX_THREADS, &v))
+			*out = v;
+		return NK_OK;
+	}
 	if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) || shape_of(out).K > 1) {
 		/*
 		 * Rows wider than a block's registers: the row staged in shared
@@ -511,21 +558,33 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 		return 0;
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
-	/* Rows of a block or more: block_smem shapes first (the cap of callers is small). */
-	for (int k = 0; k < 5 && n < max && args->cols / vec_of(args) > 512; k++) {
-		/* Forward: 2, 4, 8 vectors a thread. Backward: the most, half, and clusters of 2, 4. */
-		const int most = SMEM_BWD_MAX_ELEMS / vec_of(args);
-		int nv = is_bwd(args) ? (k == 1 ? most / 2 : most) : 2 << k;
-		int K = is_bwd(args) && k >= 2 ? 1 << (k - 1) : 1; /* 2, 4, 8 */
-		if (!is_bwd(args) && k >= 3)
+	/*
+	 * Rows of a block or more: block_smem shapes first (callers keep few).
+	 * Forward: 2, 4, 8 vectors a thread. Backward: 1 to 32 elements a thread
+	 * on one block, two and three stages deep, then clusters of 2; four
+	 * block_smem shapes at most.
+	 */
+	for (int k = 0, staged = 0; k < 16 && staged < 4 && n < max &&
+				    args->cols / vec_of(args) > 512;
+	     k++) {
+		int nv = 2 << k, K = 1, stages = 2;
+		if (is_bwd(args)) {
+			nv = 1 << (k % 8 / 2);
+			stages = 2 + k % 2;
+			K = k < 8 ? 1 : 2;
+			if (nv * vec_of(args) > SMEM_BWD_MAX_ELEMS)
+				continue;
+		} else if (k >= 3) {
 			break;
-		if (!smem_variant(args, dev, nv, K,
+		}
+		if (!smem_variant(args, dev, nv, K, stages,
 				  is_bwd(args) ? MAX_THREADS : SMEM_FWD_MAX_THREADS, &v) ||
 		    v.threads < 128)
 			continue;
 		bool seen = false;
 		for (int i = 0; i < n; i++)
 			seen = seen || memcmp(&out[i], &v, sizeof(v)) == 0;
+		staged++;
 		if (!seen)
 			out[n++] = v;
 	}
@@ -582,6 +641,8 @@ void nk_variant_name(const struct nk_variant *variant, char *buf, size_t len)
 			 (unsigned)variant->rows_per_block, (unsigned)variant->vec_elems, s.NV);
 	if (n > 0 && (size_t)n < len && s.K > 1)
 		n += snprintf(buf + n, len - (size_t)n, s.split ? "/s%d" : "/c%d", s.K);
+	if (n > 0 && (size_t)n < len && s.stages != 2)
+		n += snprintf(buf + n, len - (size_t)n, "/d%d", s.stages);
 	if (n > 0 && (size_t)n < len && s.units_cap > 0)
 		snprintf(buf + n, len - (size_t)n, "/p%d", s.units_cap);
 }
