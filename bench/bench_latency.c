@@ -9,7 +9,14 @@
  * job's completion).
  * Target (issue 4): sync p50 within 1.5x of (round trip + launch/sync), p99 < 100 us.
  *
- * Usage: build/bench/bench_latency [iterations]   (run from the repository root)
+ * To show where the time goes it also measures a ping through normd (the
+ * library and the daemon's loop, no GPU) and prints the medians of the
+ * synchronous replies' queue_us (arrival to a worker taking the job) and
+ * device_us (launch to the end of the worker's stream wait).
+ *
+ * Usage: build/bench/bench_latency [iterations] [normd options...]
+ *        (run from the repository root; options go to the daemon, e.g.
+ *        --cuda-workers 1 or --busy-poll-us 0)
  */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -146,9 +153,39 @@ static struct summary launch_sync(struct tiny *t, int iters)
 	return s;
 }
 
+/* nc_ping round trips through normd: the library and the loop, no GPU. */
+static int ping_normd(const char *socket_path, int iters, struct summary *out)
+{
+	nc_conn *conn;
+	if (nc_connect(socket_path, "bench-latency-ping", 10000, &conn)) {
+		fprintf(stderr, "connect: %s\n", nc_last_error());
+		return -1;
+	}
+	double *samples = malloc(sizeof(double) * (size_t)iters);
+	int rc = 0;
+	for (int i = -200; i < iters && rc == 0; i++) {
+		double t0 = now_us();
+		rc = nc_ping(conn, 10000);
+		if (i >= 0)
+			samples[i] = now_us() - t0;
+	}
+	if (rc == 0)
+		*out = summarize(samples, iters);
+	else
+		fprintf(stderr, "ping: %s\n", nc_last_error());
+	free(samples);
+	nc_close(conn);
+	return rc ? -1 : 0;
+}
+
+/* Medians of the synchronous replies' own timings. */
+struct breakdown {
+	double queue_us, device_us;
+};
+
 /* The same job through normd, in the synchronous or the IPC-event mode. */
 static int through_normd(struct tiny *t, const char *socket_path, int iters, bool events,
-			 struct summary *out)
+			 struct summary *out, struct breakdown *parts)
 {
 	nc_conn *conn;
 	if (nc_connect(socket_path, "bench-latency", 10000, &conn)) {
@@ -163,6 +200,8 @@ static int through_normd(struct tiny *t, const char *socket_path, int iters, boo
 		return -1;
 	}
 	double *samples = malloc(sizeof(double) * (size_t)iters);
+	double *queue = malloc(sizeof(double) * (size_t)iters);
+	double *device = malloc(sizeof(double) * (size_t)iters);
 	struct nc_job_result result;
 	cudaStream_t stream;
 	cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
@@ -176,15 +215,24 @@ static int through_normd(struct tiny *t, const char *socket_path, int iters, boo
 		if (rc != NC_OK) {
 			fprintf(stderr, "job: %s\n", result.message);
 			free(samples);
+			free(queue);
+			free(device);
 			nc_close(conn);
 			return -1;
 		}
-		if (i >= 0)
+		if (i >= 0) {
 			samples[i] = now_us() - t0;
+			queue[i] = (double)result.queue_us;
+			device[i] = (double)result.device_us;
+		}
 	}
 	*out = summarize(samples, iters);
+	parts->queue_us = summarize(queue, iters).p50;
+	parts->device_us = summarize(device, iters).p50;
 	printf("  (%s mode, variant %s)\n", events ? "event" : "sync", result.variant);
 	free(samples);
+	free(queue);
+	free(device);
 	cudaStreamDestroy(stream);
 	nc_close(conn);
 	return 0;
@@ -193,9 +241,13 @@ static int through_normd(struct tiny *t, const char *socket_path, int iters, boo
 int main(int argc, char **argv)
 {
 	int iters = argc > 1 ? atoi(argv[1]) : 20000;
+	if (iters < 100) {
+		fprintf(stderr, "usage: bench_latency [iterations >= 100] [normd options...]\n");
+		return 2;
+	}
 	struct test_daemon d;
 	/* Start the daemon before this process touches CUDA (it forks). */
-	if (test_daemon_start_on(&d, "0", NULL) != 0) {
+	if (test_daemon_start_on(&d, "0", argc > 2 ? (const char *const *)argv + 2 : NULL) != 0) {
 		fprintf(stderr, "cannot start normd --device 0\n");
 		return 1;
 	}
@@ -203,10 +255,13 @@ int main(int argc, char **argv)
 	struct tiny t;
 	tiny_init(&t);
 	struct summary launch = launch_sync(&t, iters);
-	struct summary sync = {0}, event = {0};
-	int rc = through_normd(&t, d.socket, iters, false, &sync);
+	struct summary sync = {0}, event = {0}, ping = {0};
+	struct breakdown sync_parts = {0}, event_parts = {0};
+	int rc = ping_normd(d.socket, iters, &ping);
 	if (rc == 0)
-		rc = through_normd(&t, d.socket, iters, true, &event);
+		rc = through_normd(&t, d.socket, iters, false, &sync, &sync_parts);
+	if (rc == 0)
+		rc = through_normd(&t, d.socket, iters, true, &event, &event_parts);
 	test_daemon_stop(&d);
 	if (rc)
 		return 1;
@@ -217,8 +272,14 @@ int main(int argc, char **argv)
 	       rtt.max);
 	printf("%-36s %9.1f %9.1f %9.1f\n", "kernel launch + sync (in-process)", launch.p50,
 	       launch.p99, launch.max);
+	printf("%-36s %9.1f %9.1f %9.1f\n", "normd ping (library + loop, no GPU)", ping.p50,
+	       ping.p99, ping.max);
 	printf("%-36s %9.1f %9.1f %9.1f\n", "normd sync mode (end to end)", sync.p50, sync.p99,
 	       sync.max);
+	printf("%-36s %9.1f %9s %9s\n", "  of which queue_us (daemon, p50)", sync_parts.queue_us,
+	       "-", "-");
+	printf("%-36s %9.1f %9s %9s\n", "  of which device_us (daemon, p50)", sync_parts.device_us,
+	       "-", "-");
 	printf("%-36s %9.1f %9.1f %9.1f\n", "normd event mode (call + stream sync)", event.p50,
 	       event.p99, event.max);
 	printf("sync p50 / (rtt p50 + launch p50) = %.2f (target <= 1.5); sync p99 %.1f us "

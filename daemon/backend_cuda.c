@@ -21,6 +21,7 @@
 #include "daemon/server.h"
 
 #include <cuda_runtime_api.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +40,14 @@
 #define CUBLAS_WORKSPACE_BYTES (32u << 20)
 #define DONE_EVENTS 32          /* per worker; reused round robin (see worker_early_reply) */
 #define OPENED_EVENTS 256       /* clients' wait events kept open per device */
+/*
+ * A GPU-side wait on another process's event costs a switch between the two
+ * contexts, about 300 us on an H100 (BENCHMARKS.md). So the event mode first
+ * polls for this long: a client's event that completes meanwhile needs no
+ * GPU-side wait, and a job that ends meanwhile is answered as done (no done
+ * event for the client's stream to wait on). Only longer waits and jobs pay.
+ */
+#define EVENT_GRACE_NS 100000
 
 struct cuda_device;
 
@@ -46,7 +55,7 @@ struct cuda_worker {
 	struct cuda_device *dev;
 	uv_thread_t thread;
 	cudaStream_t stream;
-	cudaEvent_t ev_start, ev_stop;
+	cudaEvent_t ev_start, ev_stop; /* autotuning's timer */
 	void *workspace;           /* grows to the largest job's need */
 	size_t workspace_bytes;
 	uint32_t *clamped;         /* pinned host word the kernels write */
@@ -67,6 +76,7 @@ struct cuda_device {
 	uv_cond_t wake;
 	struct job *head, *tail;
 	atomic_uint queued;        /* jobs in the queue, for spinning workers to watch */
+	unsigned spinning;         /* workers watching `queued` instead of sleeping (lock) */
 	struct nk_ipc_event_cache opened; /* clients' wait events */
 	bool stopping;
 	struct cuda_worker workers[CUDA_MAX_WORKERS];
@@ -373,6 +383,22 @@ static int worker_wait_client(struct cuda_worker *w, struct job *job)
 			    "wait_event: cannot open the CUDA IPC event handle");
 		return job->status;
 	}
+	/*
+	 * Usually the client's work is done by the time the request is read: a
+	 * GPU-side wait on another process's event would then only cost a
+	 * switch between the two contexts (hundreds of microseconds).
+	 */
+	cudaError_t state;
+	uint64_t until = server_now_ns() + EVENT_GRACE_NS;
+	while ((state = cudaEventQuery(event)) == cudaErrorNotReady && server_now_ns() < until)
+		;
+	if (state == cudaSuccess)
+		return 0;
+	if (state != cudaErrorNotReady) {
+		cudaGetLastError();
+		worker_fail(job, NC_EINVALID_ARGUMENT, "%s", "wait_event: cannot query the event");
+		return job->status;
+	}
 	if (cudaStreamWaitEvent(w->stream, event, 0) != cudaSuccess) {
 		cudaGetLastError();
 		worker_fail(job, NC_EDEVICE_ERROR, "%s", "cudaStreamWaitEvent on wait_event failed");
@@ -393,6 +419,12 @@ static void worker_early_reply(struct cuda_worker *w, struct job *job)
 {
 	if (!job->early_reply)
 		return;
+	uint64_t until = server_now_ns() + EVENT_GRACE_NS;
+	cudaError_t state;
+	while ((state = cudaStreamQuery(w->stream)) == cudaErrorNotReady && server_now_ns() < until)
+		;
+	if (state != cudaErrorNotReady)
+		return; /* done (or failed): answered as usual after worker_sync */
 	if (w->done_count < DONE_EVENTS) {
 		cudaIpcEventHandle_t h;
 		if (cudaEventCreateWithFlags(&w->done[w->done_count],
@@ -420,6 +452,25 @@ static void worker_early_reply(struct cuda_worker *w, struct job *job)
 	job_post_completion(notice);
 }
 
+/*
+ * Waits for the worker's stream (spinning: see device_init) and notes the
+ * job's device time, from its launch to the end of the wait as this thread
+ * saw it. Timing events would be exact but cost two event records per job,
+ * several microseconds of a tiny job's end-to-end latency (BENCHMARKS.md).
+ * A failure here is sticky (fatal); returns its status or 0.
+ */
+static int worker_sync(struct cuda_worker *w, struct job *job, uint64_t launched_ns)
+{
+	cudaError_t err = cudaStreamSynchronize(w->stream);
+	job->t_end_ns = job->t_start_ns + (server_now_ns() - launched_ns);
+	if (err == cudaSuccess)
+		return 0;
+	cuda_set_fatal(w->dev->backend, w->dev->ordinal, err);
+	worker_fail(job, NC_EDEVICE_ERROR, "the device failed running the job: %s",
+		    cudaGetErrorString(err));
+	return job->status;
+}
+
 /* Runs a WGRAD_ACCUM job through cuBLAS on the worker's stream. */
 static void worker_run_wgrad(struct cuda_worker *w, struct job *job)
 {
@@ -441,25 +492,17 @@ static void worker_run_wgrad(struct cuda_worker *w, struct job *job)
 	}
 	if (worker_wait_client(w, job))
 		return;
-	cudaEventRecord(w->ev_start, w->stream);
+	uint64_t launched_ns = server_now_ns();
 	int rc = nk_cublas_wgrad(w->cublas, &job->gemm, &why);
-	cudaEventRecord(w->ev_stop, w->stream);
 	snprintf(job->variant, sizeof(job->variant), "cublas/gemm_ex/%s",
 		 nk_dtype_name(job->gemm.dtype));
 	if (rc == NK_OK)
 		worker_early_reply(w, job);
-	cudaError_t err = cudaEventSynchronize(w->ev_stop);
-	if (err != cudaSuccess) {
-		cuda_set_fatal(w->dev->backend, w->dev->ordinal, err);
-		return worker_fail(job, NC_EDEVICE_ERROR, "the device failed running the job: %s",
-				   cudaGetErrorString(err));
-	}
+	if (worker_sync(w, job, launched_ns))
+		return;
 	if (rc != NK_OK)
 		return worker_fail(job, rc == NK_EUNSUPPORTED ? NC_EUNSUPPORTED : NC_EDEVICE_ERROR,
 				   "%s", why);
-	float ms = 0;
-	cudaEventElapsedTime(&ms, w->ev_start, w->ev_stop);
-	job->t_end_ns = job->t_start_ns + (uint64_t)(ms * 1e6f);
 	job->status = NC_OK;
 }
 
@@ -485,40 +528,57 @@ static void worker_run(struct cuda_worker *w, struct job *job)
 	if (worker_wait_client(w, job))
 		return;
 	struct nk_cuda_exec exec = {w->stream, w->workspace, w->workspace_bytes, w->clamped};
-	cudaEventRecord(w->ev_start, w->stream);
+	uint64_t launched_ns = server_now_ns();
 	int rc = nk_cuda_norm(&job->args, &w->dev->info, &v, &exec, &ran);
-	cudaEventRecord(w->ev_stop, w->stream);
 	if (rc == NK_OK) {
 		nk_variant_name(&ran, job->variant, sizeof(job->variant));
 		worker_early_reply(w, job);
 	}
-	cudaError_t err = cudaEventSynchronize(w->ev_stop);
-	if (err != cudaSuccess) {
-		cuda_set_fatal(cuda, w->dev->ordinal, err);
-		return worker_fail(job, NC_EDEVICE_ERROR, "the device failed running the job: %s",
-				   cudaGetErrorString(err));
-	}
+	if (worker_sync(w, job, launched_ns))
+		return;
 	if (rc != NK_OK)
 		return worker_fail(job, rc == NK_EINVAL ? NC_EINVALID_ARGUMENT : NC_EDEVICE_ERROR,
 				   "the kernels refused the job: %s", nk_cuda_last_error());
-	float ms = 0;
-	cudaEventElapsedTime(&ms, w->ev_start, w->ev_stop);
-	job->t_end_ns = job->t_start_ns + (uint64_t)(ms * 1e6f);
 	job->clamped_cols = *w->clamped;
 	job->status = NC_OK;
 }
 
 /*
- * Spins up to `spin_ns` for a job to appear before the caller sleeps on the
- * condition variable: a sleeping thread takes tens of microseconds to wake,
- * which a tiny job would feel end to end.
+ * The next job of the device's queue, or NULL when the device stops. A
+ * worker that finished a job less than busy_poll_us ago watches the queue
+ * (a sleeping thread takes tens of microseconds to wake, which a tiny job
+ * would feel end to end); past that it sleeps on the condition variable.
+ * A spinner that loses a job to another spins on rather than sleeping.
  */
-static void worker_spin(struct cuda_device *dev, uint64_t spin_ns)
+static struct job *worker_next(struct cuda_device *dev, uint64_t spin_until)
 {
-	uint64_t until = server_now_ns() + spin_ns;
-	while (spin_ns && atomic_load_explicit(&dev->queued, memory_order_acquire) == 0 &&
-	       server_now_ns() < until)
-		;
+	uv_mutex_lock(&dev->lock);
+	for (;;) {
+		struct job *job = dev->head;
+		if (job) {
+			dev->head = job->next;
+			if (!dev->head)
+				dev->tail = NULL;
+			atomic_fetch_sub(&dev->queued, 1);
+			uv_mutex_unlock(&dev->lock);
+			return job;
+		}
+		if (dev->stopping)
+			break;
+		if (server_now_ns() < spin_until) {
+			dev->spinning++;
+			uv_mutex_unlock(&dev->lock);
+			while (atomic_load_explicit(&dev->queued, memory_order_acquire) == 0 &&
+			       server_now_ns() < spin_until)
+				sched_yield(); /* a loaded host's other threads come first */
+			uv_mutex_lock(&dev->lock);
+			dev->spinning--;
+		} else {
+			uv_cond_wait(&dev->wake, &dev->lock);
+		}
+	}
+	uv_mutex_unlock(&dev->lock);
+	return NULL;
 }
 
 static void worker_main(void *arg)
@@ -526,24 +586,13 @@ static void worker_main(void *arg)
 	struct cuda_worker *w = arg;
 	struct cuda_device *dev = w->dev;
 	uint64_t spin_ns = dev->backend->busy_poll_us * 1000;
+	uint64_t spin_until = 0;
 	cudaSetDevice(dev->ordinal);
-	for (;;) {
-		worker_spin(dev, spin_ns);
-		uv_mutex_lock(&dev->lock);
-		while (!dev->head && !dev->stopping)
-			uv_cond_wait(&dev->wake, &dev->lock);
-		struct job *job = dev->head;
-		if (job) {
-			dev->head = job->next;
-			if (!dev->head)
-				dev->tail = NULL;
-			atomic_fetch_sub(&dev->queued, 1);
-		}
-		uv_mutex_unlock(&dev->lock);
-		if (!job)
-			return;
+	struct job *job;
+	while ((job = worker_next(dev, spin_until)) != NULL) {
 		worker_run(w, job);
 		job_post_completion(job);
+		spin_until = server_now_ns() + spin_ns;
 	}
 }
 
@@ -568,8 +617,9 @@ static int cuda_submit(struct backend *backend, struct job *job)
 	else
 		dev->head = job;
 	dev->tail = job;
-	atomic_fetch_add(&dev->queued, 1);
-	uv_cond_signal(&dev->wake);
+	/* Spinners take queued jobs without a wake-up (a futex call here). */
+	if (atomic_fetch_add(&dev->queued, 1) + 1 > dev->spinning)
+		uv_cond_signal(&dev->wake);
 	uv_mutex_unlock(&dev->lock);
 	return NC_OK;
 }
@@ -660,12 +710,14 @@ static int device_init(struct backend_cuda *cuda, struct cuda_device *dev,
 	dev->backend = cuda;
 	dev->ordinal = ordinal;
 	/*
-	 * Workers wait for their stream by spinning, not by yielding or
-	 * blocking: a tiny job's answer then leaves within a microsecond of the
-	 * kernel's end. The flag must be set before the context exists.
+	 * Workers wait for their stream by polling it, yielding the core
+	 * between polls: a tiny job's answer then leaves within a microsecond
+	 * of the kernel's end, while a loaded host still gets the core to the
+	 * threads that have work (pure spinning took it from them: BENCHMARKS.md).
+	 * The flag must be set before the context exists.
 	 */
 	if (cudaSetDevice(ordinal) != cudaSuccess ||
-	    cudaSetDeviceFlags(cfg->busy_poll_us ? cudaDeviceScheduleSpin
+	    cudaSetDeviceFlags(cfg->busy_poll_us ? cudaDeviceScheduleYield
 						 : cudaDeviceScheduleBlockingSync) != cudaSuccess ||
 	    cudaFree(NULL) != cudaSuccess ||
 	    cudaGetDeviceProperties(&prop, ordinal) != cudaSuccess) {

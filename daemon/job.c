@@ -411,7 +411,13 @@ void job_post_completion(struct job *job)
 	srv->completed_tail = job;
 	job->next = NULL;
 	uv_mutex_unlock(&srv->completion_lock);
-	uv_async_send(&srv->completion_async);
+	/*
+	 * A polling loop drains the queue each iteration; waking it would cost
+	 * a write here and a read there. It clears loop_polling before its last
+	 * drain, so a job queued after that drain sees the flag clear.
+	 */
+	if (!atomic_load(&srv->loop_polling))
+		uv_async_send(&srv->completion_async);
 }
 
 /* Loop thread: answers one finished job and releases what it held. */

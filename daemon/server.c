@@ -238,15 +238,21 @@ static void server_poll_completions(uv_idle_t *handle)
 	struct server *srv = handle->data;
 	job_drain_completions(&srv->completion_async);
 	uint64_t linger_ns = srv->cfg->busy_poll_us * 1000;
-	if (srv->jobs_in_flight == 0 && server_now_ns() - srv->last_job_ns > linger_ns)
+	if (srv->jobs_in_flight == 0 && server_now_ns() - srv->last_job_ns > linger_ns) {
+		/* From here workers wake the loop again; take what came meanwhile. */
+		atomic_store(&srv->loop_polling, false);
 		uv_idle_stop(handle);
+		job_drain_completions(&srv->completion_async);
+	}
 }
 
 void server_job_started(struct server *srv)
 {
 	srv->last_job_ns = server_now_ns();
-	if (srv->backend->poll_completions && !uv_is_active((uv_handle_t *)&srv->completion_poll))
+	if (srv->backend->poll_completions && !uv_is_active((uv_handle_t *)&srv->completion_poll)) {
 		uv_idle_start(&srv->completion_poll, server_poll_completions);
+		atomic_store(&srv->loop_polling, true);
+	}
 }
 
 static void server_reap(uv_prepare_t *handle)
@@ -281,6 +287,7 @@ static void server_shutdown(struct server *srv)
 	uv_unref((uv_handle_t *)&srv->completion_async);
 	server_close_handle((uv_handle_t *)&srv->drain_timer);
 	server_close_handle((uv_handle_t *)&srv->reaper);
+	atomic_store(&srv->loop_polling, false); /* completions wake the loop again */
 	server_close_handle((uv_handle_t *)&srv->completion_poll);
 	notify_stop(srv);
 }

@@ -19,6 +19,7 @@
 #ifndef NORMD_SERVER_H
 #define NORMD_SERVER_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -325,6 +326,7 @@ struct server {
 	uv_prepare_t reaper;         /* frees closing clients before each poll */
 	uv_async_t completion_async; /* workers -> loop: completed jobs */
 	uv_idle_t completion_poll;   /* polls the completion queue while jobs run */
+	atomic_bool loop_polling;    /* completion_poll is on: workers need not wake the loop */
 	uint64_t last_job_ns;        /* when the latest job was handed to the backend */
 	uv_mutex_t completion_lock;
 	struct job *completed_head, *completed_tail;

@@ -10,6 +10,7 @@
  */
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -192,6 +193,25 @@ static int64_t spin_us(void)
 	return value;
 }
 
+/*
+ * Whether this wait should spin first: not after SPIN_GIVE_UP waits in a row
+ * whose replies came later than the spin (a loaded daemon, big jobs), when
+ * spinning only takes a core from the threads that would answer; every
+ * SPIN_RETRY-th wait tries again, so short replies bring spinning back.
+ */
+#define SPIN_GIVE_UP 4
+#define SPIN_RETRY 32
+static bool spin_worthwhile(nc_conn *conn, int64_t deadline)
+{
+	if (spin_us() == 0 || ms_left(deadline) == 0)
+		return false; /* a look without waiting neither spins nor counts */
+	if (conn->spin_misses < SPIN_GIVE_UP || ++conn->spin_skips >= SPIN_RETRY) {
+		conn->spin_skips = 0;
+		return true;
+	}
+	return false;
+}
+
 /* Spins until `fd` is readable or the spin (or the deadline) runs out. */
 static bool spin_for_data(int fd, int64_t deadline)
 {
@@ -202,6 +222,7 @@ static bool spin_for_data(int fd, int64_t deadline)
 		struct pollfd pfd = {.fd = fd, .events = POLLIN};
 		if (poll(&pfd, 1, 0) > 0)
 			return true;
+		sched_yield(); /* on a loaded host, let the thread that will answer run */
 		clock_gettime(CLOCK_MONOTONIC, &ts);
 		now = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 	}
@@ -244,8 +265,13 @@ static int read_frame(nc_conn *conn, int64_t deadline, Normd__Envelope **out)
 			conn->in_buf = buf;
 			conn->in_cap += NC__READ_CHUNK;
 		}
-		if (spin_for_data(conn->fd, deadline))
-			goto readable;
+		if (spin_worthwhile(conn, deadline)) {
+			if (spin_for_data(conn->fd, deadline)) {
+				conn->spin_misses = 0;
+				goto readable;
+			}
+			conn->spin_misses++;
+		}
 		struct pollfd pfd = {.fd = conn->fd, .events = POLLIN};
 		int ready = poll(&pfd, 1, ms_left(deadline));
 		if (ready < 0 && errno == EINTR)

@@ -308,9 +308,17 @@ NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *strea
 	static const uint8_t zero[64];
 	if (!memcmp(done, zero, 64))
 		return 0; /* answered after completion: nothing to wait for */
-	/* The caller's stream waits for the job; this thread does not. */
+	/*
+	 * The caller's stream waits for the job; this thread does not. A job
+	 * already done needs no GPU-side wait on the daemon's event, which would
+	 * cost a switch between the two processes' contexts.
+	 */
 	cudaEvent_t done_event = nk_ipc_event_open(&ev->done, done);
-	if (!done_event || cudaStreamWaitEvent((cudaStream_t)stream, done_event, 0) != cudaSuccess) {
+	cudaError_t state = done_event ? cudaEventQuery(done_event) : cudaErrorInvalidValue;
+	if (state == cudaSuccess)
+		return 0;
+	if (state != cudaErrorNotReady ||
+	    cudaStreamWaitEvent((cudaStream_t)stream, done_event, 0) != cudaSuccess) {
 		cudaGetLastError();
 		rc = nc__fail(NC_EDEVICE_ERROR, "cannot wait on the daemon's done event");
 		result->status = rc;

@@ -48,6 +48,8 @@ struct nc_conn {
 	uint64_t next_region_id;
 	uint8_t *in_buf;             /* only the active reader touches these */
 	size_t in_len, in_cap;
+	unsigned spin_misses;        /* waits in a row that spinning did not shorten */
+	unsigned spin_skips;         /* waits that did not spin since the last that did */
 	struct nc_server_info info;
 	struct nc_region *regions;  /* every region registered and not yet freed */
 	struct nc__events *events;  /* IPC events of the event mode, made on first use */

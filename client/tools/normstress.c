@@ -39,6 +39,14 @@
  * --mode event (ordering with CUDA IPC events) and CUDA regions belong to the
  * CUDA backend; on the CPU backend only --mode sync runs. The kit_*()
  * functions are the one place that knows where a kit's memory lives.
+ *
+ * On the CUDA backend every in-flight slot of a thread has its own stream.
+ * --mode sync uploads a job's inputs on that stream, waits for the upload
+ * and submits (nc_job_submit, replies collected with nc_job_wait); a job is
+ * done when its reply comes. --mode event uploads on the stream and calls
+ * nc_job_run_event on it, which returns once the daemon has queued the job
+ * behind the upload; a job is done when an event recorded on the stream
+ * after that call has completed, as this thread observes it.
  */
 #include <cuda_runtime_api.h>
 #include <errno.h>
@@ -65,6 +73,7 @@
 #define DEFAULT_SOCKET "/run/normd/normd.sock"
 #define MAX_SLOTS 4096            /* processes x threads */
 #define MAX_INFLIGHT 1024         /* per thread */
+#define START_TIMEOUT_NS 120000000000ull /* longest wait for every client to be ready */
 #define MAX_SIZE (1ull << 26)     /* largest rows or cols accepted on the command line */
 #define MAX_LIST 64
 #define DETAIL_LINES 5            /* failure descriptions each thread prints */
@@ -475,6 +484,8 @@ struct slot {
 /* The shared anonymous mapping, made before the first fork. */
 struct shared {
 	atomic_bool stop;         /* set by the parent: finish what is in flight, then exit */
+	atomic_uint ready;        /* threads connected with their regions made */
+	atomic_bool go;           /* set by the parent once all are ready: the clock starts */
 	_Atomic uint64_t tickets; /* requests claimed so far, against --jobs */
 	struct slot slots[];      /* procs x threads */
 };
@@ -522,8 +533,7 @@ static void slot_latency(struct slot *s, uint64_t ns)
  * holding every tensor; on the CUDA backend one cudaMalloc allocation
  * registered through CUDA IPC, with inputs uploaded from a host staging copy
  * and outputs downloaded by jobkit_check(), and kit_rearm() uploading what it
- * resets. Jobs are ordered with the GPU synchronously (the data is uploaded
- * with a synchronous copy before the job is submitted).
+ * resets on the in-flight slot's stream.
  */
 struct kit {
 	struct jobkit jk;
@@ -600,9 +610,10 @@ static void kit_destroy(struct kit *k)
  * result will be verified every other output is poisoned (NaN), so an
  * output the daemon failed to write cannot pass with the previous values.
  */
-static void kit_rearm(struct kit *k, bool verify)
+static void kit_rearm(struct kit *k, bool verify, cudaStream_t stream, bool wait)
 {
 	struct jobkit *jk = &k->jk;
+	bool copied = false;
 	for (int role = 0; role < ROLES; role++) {
 		if (!jk->ptr[role] || !role_is_output(jk->spec.op, role))
 			continue;
@@ -615,16 +626,18 @@ static void kit_rearm(struct kit *k, bool verify)
 		/* Device kits: the staging copy was reset; the device copy must be too. */
 		if (jk->spec.on_device) {
 			size_t offset = (size_t)((char *)jk->ptr[role] - (char *)jk->staging);
-			cudaMemcpy((char *)jk->device_base + offset, jk->ptr[role], jk->bytes[role],
-				   cudaMemcpyHostToDevice);
+			cudaMemcpyAsync((char *)jk->device_base + offset, jk->ptr[role],
+					jk->bytes[role], cudaMemcpyHostToDevice, stream);
+			copied = true;
 		}
 	}
 	/*
-	 * A copy from pageable memory may return before its DMA lands; the
-	 * daemon's kernel must not run first (its outputs would be overwritten).
+	 * A copy from pageable memory may return before its DMA lands: in the
+	 * synchronous mode the daemon's kernel must not run first (its outputs
+	 * would be overwritten); in the event mode the daemon waits for it.
 	 */
-	if (jk->spec.on_device)
-		cudaDeviceSynchronize();
+	if (copied && wait)
+		cudaStreamSynchronize(stream);
 }
 
 static bool kit_check(const struct kit *k, struct jobkit_report *report)
@@ -792,6 +805,8 @@ static bool bad_apply(const struct kit *k, uint64_t *rng, int kind, struct nc_jo
 /* One request in flight. */
 struct flight {
 	bool active;
+	cudaStream_t stream; /* CUDA backend: this slot's uploads (and, event mode, jobs) */
+	cudaEvent_t done;    /* event mode: recorded on `stream` after the job */
 	uint64_t request_id;
 	unsigned kit;   /* index into the worker's kits */
 	int bad_kind;   /* enum bad_kind, or -1 for a valid job */
@@ -893,8 +908,17 @@ static void worker_prepare(struct worker *w, struct kit *k, struct flight *f, st
 		return;
 	}
 	f->verify = w->opt->verify > 0 && rng_unit(&w->rng) < w->opt->verify;
-	kit_rearm(k, f->verify);
+	kit_rearm(k, f->verify, f->stream, w->opt->mode == MODE_SYNC);
 }
+
+/* Transport failures of nc_job_wait and nc_job_run_event (as opposed to a job's own status). */
+static bool wait_failed(int rc)
+{
+	return rc == NC_EIO || rc == NC_ETIMEOUT || rc == NC_ENOMEM;
+}
+
+static void worker_complete(struct worker *w, struct flight *f, int rc,
+			    const struct nc_job_result *res);
 
 static void worker_submit(struct worker *w, struct flight *f)
 {
@@ -906,8 +930,12 @@ static void worker_submit(struct worker *w, struct flight *f)
 	worker_prepare(w, k, f, &job);
 	f->kit = index;
 	f->t0_ns = now_ns();
-	int rc = nc_job_submit(w->conn, &job, &f->request_id);
-	if (rc) {
+	/* The event mode's call returns once the job is queued (or refused). */
+	bool events = w->opt->mode == MODE_EVENT;
+	struct nc_job_result res;
+	int rc = events ? nc_job_run_event(w->conn, &job, f->stream, w->opt->timeout_ms, &res)
+			: nc_job_submit(w->conn, &job, &f->request_id);
+	if (events ? wait_failed(rc) : rc != NC_OK) {
 		worker_unexpected(w, rc);
 		worker_say(w, "submit: %s: %s", nc_status_name(rc), nc_last_error());
 		w->broken = true;
@@ -919,6 +947,18 @@ static void worker_submit(struct worker *w, struct flight *f)
 	slot_add(w->slot, C_IN_FLIGHT, 1);
 	if (f->bad_kind >= 0)
 		slot_add(w->slot, C_BAD_SENT, 1);
+	if (!events)
+		return;
+	if (rc != NC_OK) {
+		worker_complete(w, f, rc, &res); /* refused: nothing was queued */
+		return;
+	}
+	if (cudaEventRecord(f->done, f->stream) != cudaSuccess) {
+		worker_unexpected(w, NC_EDEVICE_ERROR);
+		worker_say(w, "cudaEventRecord after a job: %s",
+			   cudaGetErrorString(cudaGetLastError()));
+		w->broken = true;
+	}
 }
 
 static void worker_verify(struct worker *w, const struct kit *k)
@@ -978,26 +1018,75 @@ static void worker_complete(struct worker *w, struct flight *f, int rc,
 		worker_verify(w, k);
 }
 
-/* Transport failures of nc_job_wait (as opposed to a job's own status). */
-static bool wait_failed(int rc)
-{
-	return rc == NC_EIO || rc == NC_ETIMEOUT || rc == NC_ENOMEM;
-}
-
 /*
  * Waits for the oldest request in flight, then takes every other reply that
  * has already arrived (without blocking), so a job that overtook the oldest
  * one is counted when it came back rather than when its turn came.
  */
-static void worker_collect(struct worker *w)
+static struct flight *worker_oldest(struct worker *w)
 {
 	struct flight *oldest = NULL;
-	struct nc_job_result res;
 	for (unsigned i = 0; i < w->opt->inflight; i++) {
 		struct flight *f = &w->flights[i];
 		if (f->active && (!oldest || f->t0_ns < oldest->t0_ns))
 			oldest = f;
 	}
+	return oldest;
+}
+
+/*
+ * Event mode: whether the job of `f` has finished on the GPU, waiting up to
+ * `timeout_ms` (0: just look). Polls instead of cudaEventSynchronize so that
+ * a daemon that died with the job queued cannot hang the run. Returns 1
+ * (done), 0 (not yet) or -1 (a CUDA error, the thread is then broken).
+ */
+static int worker_event_done(struct worker *w, struct flight *f, int timeout_ms)
+{
+	uint64_t until = now_ns() + (uint64_t)timeout_ms * 1000000u;
+	unsigned polls = 0;
+	for (;;) {
+		cudaError_t err = cudaEventQuery(f->done);
+		if (err == cudaSuccess)
+			return 1;
+		if (err != cudaErrorNotReady) {
+			worker_unexpected(w, NC_EDEVICE_ERROR);
+			worker_say(w, "waiting for a job's event: %s", cudaGetErrorString(err));
+			w->broken = true;
+			return -1;
+		}
+		if (now_ns() >= until)
+			return 0;
+		if (++polls > 1000) /* past ~1000 polls, stop burning the core */
+			nanosleep(&(struct timespec){.tv_nsec = 20000}, NULL);
+	}
+}
+
+static void worker_collect_events(struct worker *w)
+{
+	static const struct nc_job_result ok; /* status NC_OK, no message */
+	struct flight *oldest = worker_oldest(w);
+	int done = worker_event_done(w, oldest, w->opt->timeout_ms);
+	if (done == 0) {
+		worker_unexpected(w, NC_ETIMEOUT);
+		worker_say(w, "a queued job did not finish within %d ms", w->opt->timeout_ms);
+		w->broken = true;
+	}
+	if (done <= 0)
+		return;
+	worker_complete(w, oldest, NC_OK, &ok);
+	for (unsigned i = 0; i < w->opt->inflight && !w->broken; i++) {
+		struct flight *f = &w->flights[i];
+		if (f->active && worker_event_done(w, f, 0) == 1)
+			worker_complete(w, f, NC_OK, &ok);
+	}
+}
+
+static void worker_collect(struct worker *w)
+{
+	if (w->opt->mode == MODE_EVENT)
+		return worker_collect_events(w);
+	struct flight *oldest = worker_oldest(w);
+	struct nc_job_result res;
 	int rc = nc_job_wait(w->conn, oldest->request_id, w->opt->timeout_ms, &res);
 	if (wait_failed(rc)) {
 		worker_unexpected(w, rc);
@@ -1044,6 +1133,21 @@ static void worker_run(struct worker *w)
 	}
 }
 
+/* CUDA backend: a stream for each in-flight slot (and, event mode, its event). */
+static void worker_make_streams(struct worker *w)
+{
+	for (unsigned i = 0; i < w->opt->inflight && !w->broken; i++) {
+		struct flight *f = &w->flights[i];
+		if (cudaStreamCreateWithFlags(&f->stream, cudaStreamNonBlocking) != cudaSuccess ||
+		    (w->opt->mode == MODE_EVENT &&
+		     cudaEventCreateWithFlags(&f->done, cudaEventDisableTiming) != cudaSuccess)) {
+			worker_unexpected(w, NC_EDEVICE_ERROR);
+			worker_say(w, "creating a stream: %s", cudaGetErrorString(cudaGetLastError()));
+			w->broken = true;
+		}
+	}
+}
+
 static void *worker_main(void *arg)
 {
 	struct worker *w = arg;
@@ -1064,8 +1168,14 @@ static void *worker_main(void *arg)
 		worker_unexpected(w, NC_ENOMEM);
 		w->broken = true;
 	}
+	if (!w->broken && o->on_device)
+		worker_make_streams(w);
 	for (unsigned i = 0; i < w->n_kits && !w->broken; i++)
 		worker_new_kit(w, &w->kits[i]);
+	/* Set-up (CUDA contexts above all) is not load: wait for every thread. */
+	atomic_fetch_add(&w->sh->ready, 1);
+	while (!atomic_load(&w->sh->go) && !atomic_load(&w->sh->stop))
+		sleep_ns(1000000);
 	if (!w->broken)
 		worker_run(w);
 	/*
@@ -1076,6 +1186,12 @@ static void *worker_main(void *arg)
 		return NULL;
 	for (unsigned i = 0; i < w->n_kits; i++)
 		kit_destroy(&w->kits[i]);
+	for (unsigned i = 0; i < o->inflight; i++) {
+		if (w->flights[i].stream)
+			cudaStreamDestroy(w->flights[i].stream);
+		if (w->flights[i].done)
+			cudaEventDestroy(w->flights[i].done);
+	}
 	nc_close(w->conn);
 	free(w->kits);
 	free(w->flights);
@@ -1139,7 +1255,9 @@ struct stress {
 	pid_t parent_pid;
 	struct child *children;
 	uint64_t rng;              /* the parent's: kill times */
-	uint64_t t_start_ns, t_stop_ns, t_end_ns;
+	uint64_t t_launch_ns;      /* the clients were started */
+	uint64_t t_start_ns, t_stop_ns, t_end_ns; /* t_start_ns: all ready (the clock) */
+	bool going;                /* sh->go was set */
 	bool stopping;
 	unsigned kills;            /* children killed on purpose */
 	unsigned child_failures;   /* children that crashed, failed or hung */
@@ -1361,16 +1479,35 @@ static void parent_progress(struct stress *st, uint64_t now)
 	free(t);
 }
 
+/*
+ * Starts the clock once every client thread is ready (connected, regions
+ * made), or after START_TIMEOUT_NS when some never get there: --duration,
+ * jobs/s and the kill schedule then measure load, not start-up.
+ */
+static void parent_start_clock(struct stress *st, uint64_t now)
+{
+	if (st->going)
+		return;
+	unsigned threads = st->opt.procs * st->opt.threads;
+	if (atomic_load(&st->sh->ready) < threads && now < st->t_launch_ns + START_TIMEOUT_NS &&
+	    !interrupted)
+		return;
+	st->going = true;
+	st->t_start_ns = st->last_progress_ns = now;
+	atomic_store(&st->sh->go, true);
+}
+
 /* Starts every client, then watches them until the run is over and all are gone. */
 static void parent_run(struct stress *st)
 {
-	st->t_start_ns = now_ns();
+	st->t_launch_ns = st->t_start_ns = now_ns();
 	st->last_progress_ns = st->t_start_ns;
 	for (unsigned p = 0; p < st->opt.procs; p++)
 		child_start(st, p);
 	for (;;) {
 		uint64_t now = now_ns();
-		bool time_up = st->opt.duration_s > 0 &&
+		parent_start_clock(st, now);
+		bool time_up = st->going && st->opt.duration_s > 0 &&
 			       now >= st->t_start_ns + (uint64_t)(st->opt.duration_s * 1e9);
 		if (!st->stopping && (interrupted || time_up)) {
 			st->stopping = true;
@@ -1378,7 +1515,7 @@ static void parent_run(struct stress *st)
 			atomic_store(&st->sh->stop, true);
 		}
 		parent_reap(st);
-		if (!run_over(st))
+		if (!run_over(st) && st->going)
 			parent_chaos(st, now);
 		if (children_running(st) == 0)
 			break;
@@ -1435,10 +1572,6 @@ static int preflight(struct stress *st)
 	if (strcmp(info->backend, "cpu") == 0 && o->mode == MODE_EVENT) {
 		fprintf(stderr, "normstress: --mode event is not supported on the cpu backend "
 				"(it orders jobs with CUDA IPC events); use --mode sync\n");
-		status = 2;
-	} else if (o->mode == MODE_EVENT) {
-		fprintf(stderr, "normstress: --mode event is not implemented in normstress yet "
-				"(libnormclient has it: nc_job_run_event); use --mode sync\n");
 		status = 2;
 	} else if (info->max_jobs_in_flight && o->inflight > info->max_jobs_in_flight) {
 		fprintf(stderr,

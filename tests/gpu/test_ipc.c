@@ -21,48 +21,14 @@
 
 #include "client/tools/jobkit.h"
 #include "normclient.h"
+#include "tests/gpu/gpu_test.h"
 #include "tests/support/testlib.h"
 
 static struct test_daemon daemon_;
-static int passed, failed;
-
-#define CHECK(cond, ...)                                                                   \
-	do {                                                                               \
-		if (!(cond)) {                                                             \
-			fprintf(stderr, "  check failed at line %d: %s: ", __LINE__, #cond); \
-			fprintf(stderr, __VA_ARGS__);                                      \
-			fprintf(stderr, "\n");                                             \
-			return 1;                                                          \
-		}                                                                          \
-	} while (0)
-
-/* Runs fn in a child process; returns its exit status (0 = success). */
-static int in_child(int (*fn)(void *), void *arg)
-{
-	fflush(NULL);
-	pid_t pid = fork();
-	if (pid == 0)
-		_exit(fn(arg));
-	int status;
-	waitpid(pid, &status, 0);
-	return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-static void report(const char *name, int rc)
-{
-	printf("%-40s %s\n", name, rc == 0 ? "ok" : "FAILED");
-	if (rc == 0)
-		passed++;
-	else
-		failed++;
-}
 
 static nc_conn *connect_daemon(const char *name)
 {
-	nc_conn *conn = NULL;
-	if (nc_connect(daemon_.socket, name, 10000, &conn) != NC_OK)
-		fprintf(stderr, "  connect: %s\n", nc_last_error());
-	return conn;
+	return gpu_test_connect(daemon_.socket, name);
 }
 
 static int run_checked(nc_conn *conn, const struct jobkit_spec *spec, char *variant)
@@ -151,9 +117,9 @@ static int many_clients(void *arg)
 }
 
 /* Device-wide free memory, read in a child so this process stays CUDA-free. */
-static int free_memory_child(void *arg)
+static int free_memory_child(int fd, void *arg)
 {
-	int fd = *(int *)arg;
+	(void)arg;
 	size_t free_b = 0, total = 0;
 	if (cudaMemGetInfo(&free_b, &total) != cudaSuccess)
 		return 1;
@@ -163,37 +129,18 @@ static int free_memory_child(void *arg)
 
 static long long device_free_bytes(void)
 {
-	int fds[2];
 	unsigned long long v = 0;
-	if (pipe(fds) != 0)
-		return -1;
-	int rc = in_child(free_memory_child, &fds[1]);
-	ssize_t n = read(fds[0], &v, sizeof(v));
-	close(fds[0]);
-	close(fds[1]);
-	return rc == 0 && n == sizeof(v) ? (long long)v : -1;
+	return in_child_read(free_memory_child, NULL, &v, sizeof(v)) == 0 ? (long long)v : -1;
 }
 
 static int daemon_stats(struct nc_stats *stats)
 {
-	nc_conn *conn = connect_daemon("stats");
-	if (!conn)
-		return -1;
-	int rc = nc_stats_get(conn, 10000, stats);
-	nc_close(conn);
-	return rc;
+	return gpu_test_stats(daemon_.socket, stats);
 }
 
-/* Waits until the daemon holds no regions and no jobs (besides the asker). */
 static int wait_idle(void)
 {
-	struct nc_stats stats;
-	for (int i = 0; i < 200; i++) {
-		if (daemon_stats(&stats) == 0 && stats.regions == 0 && stats.jobs_in_flight == 0)
-			return 0;
-		usleep(50 * 1000);
-	}
-	return -1;
+	return gpu_test_wait_idle(daemon_.socket);
 }
 
 /*
@@ -462,7 +409,7 @@ int main(void)
 {
 	if (test_daemon_start_on(&daemon_, "0", NULL) != 0) {
 		fprintf(stderr, "cannot start normd --device 0\n");
-		printf("0 passed, 1 failed\n");
+		printf("test_ipc: 0 passed, 1 failed\n");
 		return 1;
 	}
 	report("every op against the reference", in_child(every_op, NULL));
@@ -474,10 +421,9 @@ int main(void)
 	report("IPC-event mode orders both ways", in_child(event_mode, NULL));
 	report("variants named and listed", in_child(variants_listed, NULL));
 	bool alive = test_daemon_alive(&daemon_);
-	if (failed || !alive)
+	if (gpu_tests_failed || !alive)
 		test_daemon_dump_log(&daemon_);
 	int rc = test_daemon_stop(&daemon_);
 	report("daemon alive and exits 0 on SIGTERM", alive && rc == 0 ? 0 : 1);
-	printf("%d passed, %d failed\n", passed, failed);
-	return failed ? 1 : 0;
+	return gpu_test_summary("test_ipc");
 }

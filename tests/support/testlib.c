@@ -254,7 +254,7 @@ int raw_pack_into(Normd__Envelope *env, uint8_t *buf, size_t cap, size_t *len)
 	return rc;
 }
 
-int raw_hello(int fd)
+Normd__Envelope *raw_hello_reply(int fd)
 {
 	Normd__Hello hello = NORMD__HELLO__INIT;
 	hello.protocol_version = NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION;
@@ -265,9 +265,19 @@ int raw_hello(int fd)
 	env.body_case = NORMD__ENVELOPE__BODY_HELLO;
 	env.hello = &hello;
 	if (raw_send(fd, &env))
-		return -1;
+		return NULL;
 	Normd__Envelope *reply = raw_recv(fd, 5000);
-	int rc = reply && reply->body_case == NORMD__ENVELOPE__BODY_HELLO_REPLY ? 0 : -1;
+	if (reply && reply->body_case != NORMD__ENVELOPE__BODY_HELLO_REPLY) {
+		nc__envelope_free(reply);
+		return NULL;
+	}
+	return reply;
+}
+
+int raw_hello(int fd)
+{
+	Normd__Envelope *reply = raw_hello_reply(fd);
+	int rc = reply ? 0 : -1;
 	nc__envelope_free(reply);
 	return rc;
 }

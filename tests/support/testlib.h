@@ -53,6 +53,11 @@ int raw_send_with_fd(int fd, Normd__Envelope *env, int pass_fd);
 int raw_pack_into(Normd__Envelope *env, uint8_t *buf, size_t cap, size_t *len);
 /* Sends Hello (request id 1) and reads the HelloReply; returns 0 or -1. */
 int raw_hello(int fd);
+/*
+ * The same, returning the whole reply (body HELLO_REPLY, with the devices the
+ * public nc_server_info does not describe), or NULL. Free with nc__envelope_free().
+ */
+Normd__Envelope *raw_hello_reply(int fd);
 /* Reads one envelope within timeout_ms; NULL on timeout, EOF or garbage. */
 Normd__Envelope *raw_recv(int fd, int timeout_ms);
 /* True if the peer closed the connection within timeout_ms (EOF seen). */

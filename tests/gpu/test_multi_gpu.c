@@ -1,0 +1,455 @@
+/*
+ * Several GPUs behind one daemon (issue 4), run by `make test-gpu` on a
+ * machine with two or more (with fewer it says it is skipped and passes):
+ *
+ *  - normd --device all describes every GPU as CUDA does (index, UUID,
+ *    name, SMs, memory; indexes and UUIDs distinct), in the HelloReply and
+ *    in nc_server_info;
+ *  - on each device, every op against the float64 reference, the reply
+ *    naming its variant; the daemon's per-device counters show the jobs ran
+ *    on the device their memory is on and nowhere else;
+ *  - every device at once, a client process per device;
+ *  - a job whose tensors are on two devices is refused (INVALID_ARGUMENT,
+ *    naming devices), and the same job on one device runs;
+ *  - the clients' regions are released and the daemon exits 0 on SIGTERM;
+ *  - normd --device 0,1 serves both; an ordinal past the last GPU makes
+ *    the daemon exit with an error at start.
+ *
+ * As in test_ipc, every CUDA call happens in a child process.
+ */
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "client/tools/jobkit.h"
+#include "normclient.h"
+#include "proto/frame.h"
+#include "tests/gpu/gpu_test.h"
+#include "tests/support/testlib.h"
+
+enum {
+	MAX_GPUS = 16,                 /* nc_server_info lists 16 devices at most */
+	EVERY_OP_JOBS = 4 * 3 * 3 * 3, /* ops x dtypes x shapes x kinds of weights */
+	AT_ONCE_JOBS = 48,             /* per device, every device at once */
+};
+
+/* What CUDA itself says about each GPU, read in a child process. */
+struct gpu_list {
+	int count;
+	struct gpu_desc {
+		uint8_t uuid[16];
+		char name[256];
+		int sm_count;
+		size_t total_memory;
+	} gpu[MAX_GPUS];
+};
+
+/* What a client process works on: a daemon's socket, a device, how many jobs. */
+struct target {
+	const char *socket;
+	int device;
+	int jobs;
+};
+
+static struct test_daemon daemon_; /* normd --device all */
+static struct gpu_list gpus;
+
+static bool cuda_ok(cudaError_t err, const char *what)
+{
+	if (err != cudaSuccess)
+		fprintf(stderr, "  %s: %s\n", what, cudaGetErrorString(err));
+	return err == cudaSuccess;
+}
+
+/* Child: writes CUDA's struct gpu_list to fd. */
+static int list_gpus_child(int fd, void *arg)
+{
+	(void)arg;
+	struct gpu_list list;
+	memset(&list, 0, sizeof(list));
+	cudaError_t err = cudaGetDeviceCount(&list.count);
+	if (err == cudaErrorNoDevice)
+		list.count = 0; /* skipped, as with one GPU */
+	else if (!cuda_ok(err, "cudaGetDeviceCount"))
+		return 1;
+	for (int i = 0; i < list.count && i < MAX_GPUS; i++) {
+		struct cudaDeviceProp prop;
+		if (!cuda_ok(cudaGetDeviceProperties(&prop, i), "cudaGetDeviceProperties"))
+			return 1;
+		struct gpu_desc *g = &list.gpu[i];
+		memcpy(g->uuid, prop.uuid.bytes, sizeof(g->uuid));
+		snprintf(g->name, sizeof(g->name), "%s", prop.name);
+		g->sm_count = prop.multiProcessorCount;
+		g->total_memory = prop.totalGlobalMem;
+	}
+	return write(fd, &list, sizeof(list)) == (ssize_t)sizeof(list) ? 0 : 1;
+}
+
+/* ---- the device list --------------------------------------------------------------------- */
+
+/* One device of the HelloReply against what CUDA says about the same ordinal. */
+static int device_described(const Normd__Device *d)
+{
+	CHECK(d->index >= 0 && d->index < gpus.count, "a device with index %d", d->index);
+	CHECK(d->has_uuid && d->uuid.len == 16 && d->name && d->name[0] && d->has_sm_count &&
+		      d->sm_count > 0 && d->has_total_memory && d->total_memory > 0,
+	      "device %d is described incompletely", d->index);
+	const struct gpu_desc *g = &gpus.gpu[d->index];
+	printf("  device %d: %s, %u SMs, %llu MiB\n", d->index, d->name, d->sm_count,
+	       (unsigned long long)(d->total_memory >> 20));
+	CHECK(memcmp(d->uuid.data, g->uuid, 16) == 0, "device %d: not the UUID CUDA reports",
+	      d->index);
+	CHECK(strncmp(d->name, g->name, 127) == 0 && d->sm_count == (uint32_t)g->sm_count &&
+		      d->total_memory == g->total_memory,
+	      "device %d: CUDA reports %s, %d SMs, %zu bytes", d->index, g->name, g->sm_count,
+	      g->total_memory);
+	return 0;
+}
+
+static int hello_lists_every_gpu(const Normd__HelloReply *h)
+{
+	CHECK(h->has_backend && h->backend == NORMD__BACKEND_KIND__BACKEND_CUDA, "backend %d",
+	      (int)h->backend);
+	CHECK(h->n_devices == (size_t)gpus.count, "%zu devices listed; CUDA sees %d",
+	      h->n_devices, gpus.count);
+	for (size_t i = 0; i < h->n_devices; i++) {
+		const Normd__Device *d = h->devices[i];
+		CHECK(device_described(d) == 0, "device %zu of the list", i);
+		for (size_t j = 0; j < i; j++)
+			CHECK(h->devices[j]->index != d->index &&
+				      memcmp(h->devices[j]->uuid.data, d->uuid.data, 16) != 0,
+			      "devices %zu and %zu share an index or a UUID", j, i);
+	}
+	return 0;
+}
+
+/* nc_server_info of a new connection lists exactly `want` (count ordinals). */
+static int server_info_lists(const char *socket_path, const int *want, int count)
+{
+	nc_conn *conn = gpu_test_connect(socket_path, "device-list");
+	CHECK(conn, "no connection");
+	const struct nc_server_info *info = nc_server_info(conn);
+	bool same = strcmp(info->backend, "cuda") == 0 && info->device_count == (uint32_t)count;
+	for (int i = 0; same && i < count; i++)
+		same = info->device_index[i] == want[i];
+	nc_close(conn);
+	CHECK(same, "nc_server_info does not list the %d devices served", count);
+	return 0;
+}
+
+static int devices_listed(void)
+{
+	int fd = raw_connect(daemon_.socket);
+	CHECK(fd >= 0, "cannot connect to %s", daemon_.socket);
+	Normd__Envelope *env = raw_hello_reply(fd);
+	close(fd);
+	CHECK(env, "no HelloReply");
+	int rc = hello_lists_every_gpu(env->hello_reply);
+	nc__envelope_free(env);
+	CHECK(rc == 0, "the HelloReply does not describe every GPU");
+	int ordinals[MAX_GPUS];
+	for (int i = 0; i < gpus.count; i++)
+		ordinals[i] = i;
+	return server_info_lists(daemon_.socket, ordinals, gpus.count);
+}
+
+/* ---- where jobs ran ---------------------------------------------------------------------- */
+
+/* Jobs that ran on each device (by CUDA ordinal) since the daemon started; 0 or -1. */
+static int device_job_counts(uint64_t counts[MAX_GPUS])
+{
+	struct nc_stats s;
+	if (gpu_test_stats(daemon_.socket, &s) != 0)
+		return -1;
+	memset(counts, 0, MAX_GPUS * sizeof(counts[0]));
+	for (uint32_t i = 0; i < s.device_count && i < NC_STATS_DEVICES; i++) {
+		const struct nc_device_stats *d = &s.devices[i];
+		if (d->index >= 0 && d->index < MAX_GPUS)
+			counts[d->index] = d->jobs_ok + d->jobs_failed;
+	}
+	return 0;
+}
+
+/* Checks that since `before`, expected[d] jobs ran on each device d: no more, no fewer. */
+static int jobs_ran_where_expected(const uint64_t before[MAX_GPUS], const int expected[MAX_GPUS])
+{
+	uint64_t after[MAX_GPUS];
+	CHECK(device_job_counts(after) == 0, "no stats");
+	for (int d = 0; d < gpus.count; d++)
+		CHECK(after[d] - before[d] == (uint64_t)expected[d], "device %d ran %llu jobs, not %d",
+		      d, (unsigned long long)(after[d] - before[d]), expected[d]);
+	return 0;
+}
+
+/* ---- jobs on each device ----------------------------------------------------------------- */
+
+/* The i-th of EVERY_OP_JOBS: 4 ops x 3 dtypes x 3 shapes x (no weights, f32 weights, me). */
+static struct jobkit_spec every_op_spec(int i, int device)
+{
+	static const uint64_t shapes[3][2] = {{1, 1}, {37, 1000}, {6, 8192}};
+	int shape = i / 12 % 3, weights = i / 36 % 3;
+	return (struct jobkit_spec){
+		.op = (enum nc_op)(1 + i % 4),
+		.rows = shapes[shape][0],
+		.cols = shapes[shape][1],
+		.dtype = (enum nc_dtype)(1 + i / 4 % 3),
+		.weight_dtype = weights == 1 ? NC_F32 : 0,
+		.gamma = weights != 0,
+		.beta = weights != 0,
+		.memory_efficient = weights == 2, /* jobkit drops it for the forward ops */
+		.seed = (uint64_t)(1000 * device + i + 1),
+		.on_device = true,
+		.device = device,
+	};
+}
+
+/* One job on `device` whose reply names its variant, listed in that device's cache. */
+static int variant_named(nc_conn *conn, int device)
+{
+	struct jobkit kit;
+	struct jobkit_spec spec = {.op = NC_LAYERNORM_FWD, .rows = 64, .cols = 3072,
+				   .dtype = NC_BF16, .gamma = true, .beta = true, .seed = 77,
+				   .on_device = true, .device = device};
+	struct nc_job_result r = {0};
+	struct jobkit_report rep = {0};
+	CHECK(jobkit_create(conn, &spec, &kit) == 0, "set-up: %s", nc_last_error());
+	int rc = nc_job_run(conn, &kit.job, 30000, &r);
+	bool right = rc == NC_OK && jobkit_check(&kit, &rep);
+	jobkit_destroy(&kit);
+	CHECK(right, "%s (%s) %s", nc_status_name(rc), r.message, rep.detail);
+	printf("  device %d: reply variant %s\n", device, r.variant);
+	CHECK(r.variant[0] != '\0', "the reply names no variant");
+	struct nc_variant_info *list;
+	size_t n;
+	CHECK(nc_variants_get(conn, 10000, &list, &n) == NC_OK, "variants: %s", nc_last_error());
+	bool listed = false;
+	for (size_t i = 0; i < n; i++)
+		listed |= list[i].device == device && list[i].op == NC_LAYERNORM_FWD &&
+			  list[i].cols == 3072 && list[i].uses > 0;
+	nc_variants_free(list);
+	CHECK(listed, "device %d's variant cache does not list the job's key", device);
+	return 0;
+}
+
+/* Child: every op on t->device, each against the reference, then variant_named. */
+static int every_op_on(void *arg)
+{
+	const struct target *t = arg;
+	nc_conn *conn = gpu_test_connect(t->socket, "every-op");
+	CHECK(conn, "no connection");
+	int bad = 0;
+	for (int i = 0; i < EVERY_OP_JOBS; i++) {
+		struct jobkit_spec spec = every_op_spec(i, t->device);
+		bad += test_run_checked(conn, &spec, 30000) != 0;
+	}
+	int named = variant_named(conn, t->device);
+	nc_close(conn);
+	CHECK(bad == 0, "%d of %d jobs wrong on device %d", bad, EVERY_OP_JOBS, t->device);
+	CHECK(named == 0, "device %d: no variant named", t->device);
+	return 0;
+}
+
+static int every_op_on_device(int device)
+{
+	uint64_t before[MAX_GPUS];
+	int expected[MAX_GPUS] = {0};
+	CHECK(device_job_counts(before) == 0, "no stats");
+	struct target t = {.socket = daemon_.socket, .device = device};
+	CHECK(in_child(every_op_on, &t) == 0, "jobs on device %d failed", device);
+	expected[device] = EVERY_OP_JOBS + 1; /* and the variant check's job */
+	return jobs_ran_where_expected(before, expected);
+}
+
+/* Child: t->jobs jobs on t->device, of every op, dtype and several widths, each checked. */
+static int jobs_on(void *arg)
+{
+	const struct target *t = arg;
+	nc_conn *conn = gpu_test_connect(t->socket, "jobs-on");
+	CHECK(conn, "no connection");
+	int bad = 0;
+	for (int i = 0; i < t->jobs; i++) {
+		struct jobkit_spec spec = {
+			.op = (enum nc_op)(1 + i % 4), .rows = 512 + 64 * (uint64_t)t->device,
+			.cols = 1024 * (uint64_t)(1 + i % 5), .dtype = (enum nc_dtype)(1 + i / 4 % 3),
+			.gamma = true, .beta = true, .memory_efficient = i / 12 % 2,
+			.seed = (uint64_t)(7000 + 100 * t->device + i), .on_device = true,
+			.device = t->device,
+		};
+		bad += test_run_checked(conn, &spec, 30000) != 0;
+	}
+	nc_close(conn);
+	CHECK(bad == 0, "%d of %d jobs wrong on device %d", bad, t->jobs, t->device);
+	return 0;
+}
+
+/* A client process per device, all at once. */
+static int every_device_at_once(void)
+{
+	uint64_t before[MAX_GPUS];
+	int expected[MAX_GPUS] = {0};
+	struct target t[MAX_GPUS];
+	pid_t pids[MAX_GPUS];
+	CHECK(device_job_counts(before) == 0, "no stats");
+	fflush(NULL);
+	for (int d = 0; d < gpus.count; d++) {
+		t[d] = (struct target){.socket = daemon_.socket, .device = d, .jobs = AT_ONCE_JOBS};
+		expected[d] = AT_ONCE_JOBS;
+		pids[d] = fork();
+		if (pids[d] == 0)
+			child_exit(jobs_on(&t[d]));
+	}
+	int bad = 0;
+	for (int d = 0; d < gpus.count; d++) {
+		int status = 0;
+		bad += pids[d] < 0 || waitpid(pids[d], &status, 0) != pids[d] ||
+		       !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+	}
+	CHECK(bad == 0, "%d of %d client processes failed", bad, gpus.count);
+	return jobs_ran_where_expected(before, expected);
+}
+
+/* ---- a job across devices ---------------------------------------------------------------- */
+
+/* Zeroed cudaMalloc memory on `device`, which becomes the current one; NULL on failure. */
+static char *zeroed_on(int device, size_t bytes)
+{
+	void *p = NULL;
+	if (!cuda_ok(cudaSetDevice(device), "cudaSetDevice") ||
+	    !cuda_ok(cudaMalloc(&p, bytes), "cudaMalloc"))
+		return NULL;
+	if (!cuda_ok(cudaMemset(p, 0, bytes), "cudaMemset") ||
+	    !cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize")) {
+		cuda_ok(cudaFree(p), "cudaFree");
+		return NULL;
+	}
+	return p;
+}
+
+static int refused_across_devices(nc_conn *conn, const struct nc_job *job, const char *what)
+{
+	struct nc_job_result r = {0};
+	int rc = nc_job_run(conn, job, 10000, &r);
+	printf("  %s: %s: %s\n", what, nc_status_name(rc), r.message);
+	CHECK(rc == NC_EINVALID_ARGUMENT, "%s gave %s", what, nc_status_name(rc));
+	CHECK(strstr(r.message, "device") != NULL, "%s: the message names no device", what);
+	return 0;
+}
+
+/*
+ * Child: x on device 0 with y on device 1, then x and y on device 0 with
+ * gamma on device 1, are refused; the job with x and y on device 0 runs.
+ */
+static int mixed_devices(void *arg)
+{
+	enum { ROWS = 4, COLS = 256, BYTES = ROWS * COLS * 4 };
+	char *on0 = zeroed_on(0, 2 * BYTES), *on1 = zeroed_on(1, 2 * BYTES);
+	CHECK(on0 && on1, "CUDA set-up");
+	nc_conn *conn = gpu_test_connect(arg, "mixed");
+	CHECK(conn, "no connection");
+	struct nc_tensor x0, y0, y1, gamma1;
+	CHECK(nc_tensor_device(conn, on0, &x0) == NC_OK &&
+		      nc_tensor_device(conn, on0 + BYTES, &y0) == NC_OK &&
+		      nc_tensor_device(conn, on1, &y1) == NC_OK &&
+		      nc_tensor_device(conn, on1 + BYTES, &gamma1) == NC_OK,
+	      "register: %s", nc_last_error());
+	struct nc_job job = {.op = NC_RMSNORM_FWD, .rows = ROWS, .cols = COLS, .dtype = NC_F32,
+			     .x = x0, .y = y1};
+	int bad = refused_across_devices(conn, &job, "x on device 0, y on device 1");
+	job.y = y0;
+	job.gamma = gamma1;
+	bad += refused_across_devices(conn, &job, "x, y on device 0, gamma on device 1");
+	job.gamma = (struct nc_tensor){0};
+	struct nc_job_result r = {0};
+	int rc = nc_job_run(conn, &job, 10000, &r);
+	nc_close(conn);
+	bool freed = cuda_ok(cudaFree(on0), "cudaFree");
+	freed = cuda_ok(cudaFree(on1), "cudaFree") && freed;
+	CHECK(bad == 0, "a job across devices was not refused as it should be");
+	CHECK(rc == NC_OK, "the job on device 0 alone: %s (%s)", nc_status_name(rc), r.message);
+	CHECK(freed, "cudaFree");
+	return 0;
+}
+
+static int mixed_devices_refused(void)
+{
+	uint64_t before[MAX_GPUS];
+	int expected[MAX_GPUS] = {[0] = 1}; /* only the job on device 0 alone ran */
+	CHECK(device_job_counts(before) == 0, "no stats");
+	CHECK(in_child(mixed_devices, daemon_.socket) == 0, "see above");
+	return jobs_ran_where_expected(before, expected);
+}
+
+/* ---- other device lists ------------------------------------------------------------------ */
+
+/* normd --device 0,1 lists both and runs one checked job of each op on each. */
+static int two_devices_served(void)
+{
+	static const int both[] = {0, 1};
+	struct test_daemon pair;
+	CHECK(test_daemon_start_on(&pair, "0,1", NULL) == 0, "normd --device 0,1 did not start");
+	int bad = server_info_lists(pair.socket, both, 2);
+	for (int d = 0; d < 2; d++) {
+		struct target t = {.socket = pair.socket, .device = d, .jobs = 4};
+		bad += in_child(jobs_on, &t) != 0;
+	}
+	bad += gpu_test_wait_idle(pair.socket) != 0;
+	if (bad)
+		test_daemon_dump_log(&pair);
+	int rc = test_daemon_stop(&pair);
+	CHECK(bad == 0, "normd --device 0,1 did not serve both devices");
+	CHECK(rc == 0, "normd --device 0,1 exited with %d on SIGTERM", rc);
+	return 0;
+}
+
+/* The first ordinal past the last GPU makes the daemon exit with an error at start. */
+static int missing_device_refused(void)
+{
+	char ordinal[16];
+	snprintf(ordinal, sizeof(ordinal), "%d", gpus.count);
+	printf("  normd --device %s must not start; its log below is expected\n", ordinal);
+	struct test_daemon bad;
+	int rc = test_daemon_start_on(&bad, ordinal, NULL);
+	if (rc == 0)
+		test_daemon_stop(&bad);
+	CHECK(rc != 0, "normd --device %s started with %d GPUs", ordinal, gpus.count);
+	CHECK(bad.exited && WIFEXITED(bad.wait_status) && WEXITSTATUS(bad.wait_status) != 0,
+	      "normd --device %s did not exit with an error by itself", ordinal);
+	return 0;
+}
+
+int main(void)
+{
+	if (in_child_read(list_gpus_child, NULL, &gpus, sizeof(gpus)) != 0) {
+		report("CUDA lists the GPUs", 1);
+		return gpu_test_summary("test_multi_gpu");
+	}
+	if (gpus.count < 2) {
+		printf("test_multi_gpu: skipped: %d GPU(s); needs 2\n", gpus.count);
+		return 0;
+	}
+	if (gpus.count > MAX_GPUS || test_daemon_start_on(&daemon_, "all", NULL) != 0) {
+		report("normd --device all starts (16 GPUs at most)", 1);
+		return gpu_test_summary("test_multi_gpu");
+	}
+	report("every GPU listed as CUDA sees it", devices_listed());
+	for (int d = 0; d < gpus.count; d++) {
+		char name[64];
+		snprintf(name, sizeof(name), "every op on device %d, and only there", d);
+		report(name, every_op_on_device(d));
+	}
+	report("every device at once", every_device_at_once());
+	report("a job across two devices refused", mixed_devices_refused());
+	report("regions released after the clients", gpu_test_wait_idle(daemon_.socket) ? 1 : 0);
+	bool alive = test_daemon_alive(&daemon_);
+	if (gpu_tests_failed || !alive)
+		test_daemon_dump_log(&daemon_);
+	int rc = test_daemon_stop(&daemon_);
+	report("daemon alive and exits 0 on SIGTERM", alive && rc == 0 ? 0 : 1);
+	report("--device 0,1 serves both", two_devices_served());
+	report("--device past the last GPU refused", missing_device_refused());
+	return gpu_test_summary("test_multi_gpu");
+}
