@@ -70,7 +70,6 @@ struct Params {
 	int K;	  /* blocks sharing a row: a cluster, or (F_PRESUMS) column slices */
 	int R;	  /* rows a block holds at a time */
 	int nvec; /* 16-byte vectors per row (tiled family) */
-	int stages; /* block_smem backward: rows staged in shared memory (2 or 3) */
 };
 
 /* Decoded launch shape of a variant. */
@@ -83,18 +82,13 @@ struct Shape {
 	int K;	       /* blocks sharing a row */
 	bool split;    /* backward: K column slices after a row-sums kernel, no cluster */
 	int units_cap; /* backward: most row groups (clusters) in the grid */
-	int stages;    /* block_smem: rows staged in shared memory at a time */
 };
 
-/*
- * The variant param word: NV | (stages - 2) << 5 | K << 8 | units_cap << 16 |
- * split << 31 (NV <= 16; stages only for block_smem, 0 elsewhere).
- */
+/* The variant param word: NV | K << 8 | units_cap << 16 | split << 31. */
 constexpr int MAX_UNITS_CAP = 0x7fff;
-static inline uint32_t shape_param(int nv, int k, int cap, bool split, int stages = 2)
+static inline uint32_t shape_param(int nv, int k, int cap, bool split)
 {
-	return (uint32_t)nv | (uint32_t)(stages - 2) << 5 | (uint32_t)k << 8 |
-	       (uint32_t)cap << 16 | (uint32_t)split << 31;
+	return (uint32_t)nv | (uint32_t)k << 8 | (uint32_t)cap << 16 | (uint32_t)split << 31;
 }
 
 Shape shape_of(const struct nk_variant *v);

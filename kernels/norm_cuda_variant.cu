@@ -13,7 +13,7 @@
  *     (256 for backward on sm_80), and forward rows wider than one block
  *     holds to a cluster of 2, 4 or 8 blocks (sm_90);
  *   - rows wider than a block's registers are staged in shared memory
- *     (block_smem: a block a row, cp.async two or three rows deep) where the
+ *     (block_smem: a block a row, cp.async two rows deep) where the
  *     stages fit the device's opt-in shared memory: backward on one block of
  *     up to 512 threads (32 elements a thread), else on a cluster of 2
  *     (sm_90); forward on one block of up to 1024 threads. Forward rows that
@@ -68,8 +68,7 @@ Shape shape_of(const struct nk_variant *v)
 	s.threads = v->threads;
 	s.R = v->rows_per_block > 0 ? v->rows_per_block : 1;
 	s.G = s.threads / s.R;
-	s.NV = (int)(v->param & 0x1f);
-	s.stages = 2 + (int)((v->param >> 5) & 7);
+	s.NV = (int)(v->param & 0xff);
 	s.K = (int)((v->param >> 8) & 0xff);
 	s.units_cap = (int)((v->param >> 16) & MAX_UNITS_CAP);
 	s.split = (v->param >> 31) != 0;
@@ -227,7 +226,7 @@ size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s)
 	/* Two stages: the row of x (forward), or a block's slots of x or y and dy. */
 	if (!is_bwd(a))
 		return (size_t)2 * (size_t)a->cols * nk_dtype_size(a->dtype);
-	return (size_t)s.stages * 2 * 16 * (size_t)s.NV * (size_t)s.threads;
+	return (size_t)2 * 2 * 16 * (size_t)s.NV * (size_t)s.threads;
 }
 
 /* Whether a block_smem launch of `threads` threads fits the device's shared memory. */
@@ -264,7 +263,7 @@ static int smem_units_cap(const struct nk_norm_args *a, const Shape &s)
  * dgamma/dbeta sums stay in registers). False if none fits the job.
  */
 static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int nv,
-			 int K, int stages, int block_max, struct nk_variant *v)
+			 int K, int block_max, struct nk_variant *v)
 {
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
@@ -285,14 +284,12 @@ static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_in
 	v->threads = (uint16_t)threads;
 	v->rows_per_block = 1;
 	v->vec_elems = (uint16_t)vec;
-	if (stages != 2 && (!is_bwd(a) || stages != 3))
-		return false;
-	v->param = shape_param(nv, K, 0, false, stages);
+	v->param = shape_param(nv, K, 0, false);
 	Shape s = shape_of(v);
 	if (!smem_fits(a, dev, s))
 		return false;
 	if (is_bwd(a))
-		v->param = shape_param(nv, K, smem_units_cap(a, s), false, stages);
+		v->param = shape_param(nv, K, smem_units_cap(a, s), false);
 	return true;
 }
 
@@ -312,8 +309,6 @@ static bool smem_variant_fits(const struct nk_norm_args *a, const struct nk_devi
 	if (s.threads < 64 || s.threads > tmax || s.threads % 32 != 0)
 		return false;
 	if (s.NV < 1 || s.NV > maxnv || (s.NV & (s.NV - 1)) != 0)
-		return false;
-	if (s.stages != 2 && (!is_bwd(a) || s.stages != 3))
 		return false;
 	if (is_bwd(a) && s.units_cap < 1)
 		return false;
@@ -344,7 +339,7 @@ static bool tiled_fits(const struct nk_norm_args *a, const struct nk_device_info
 
 	if (!tiled_layout_ok(a) || v->vec_elems != vec)
 		return false;
-	if (s.NV < 1 || s.NV > max_nv(a) || (s.NV & (s.NV - 1)) != 0 || s.stages != 2)
+	if (s.NV < 1 || s.NV > max_nv(a) || (s.NV & (s.NV - 1)) != 0)
 		return false;
 	if (s.threads < 32 || s.threads > block_limit(a, dev) || s.threads % 32 != 0 ||
 	    s.threads % s.R != 0)
@@ -478,22 +473,21 @@ extern "C" {
 /*
  * The block_smem default, if one fits: the fewest vectors a thread (the most
  * threads, up to the block limit), backward on one block, else a cluster of
- * 2. Backward stages three rows where they fit.
+ * 2 (sm_90).
  */
 static bool smem_default(const struct nk_norm_args *a, const struct nk_device_info *dev,
 			 struct nk_variant *v)
 {
 	if (!is_bwd(a)) {
 		for (int nv = 1; nv <= 16; nv *= 2) {
-			if (smem_variant(a, dev, nv, 1, 2, SMEM_FWD_MAX_THREADS, v))
+			if (smem_variant(a, dev, nv, 1, SMEM_FWD_MAX_THREADS, v))
 				return true;
 		}
 		return false;
 	}
 	for (int K = 1; K <= 2; K++) {
 		for (int nv = 1; nv * vec_of(a) <= SMEM_BWD_MAX_ELEMS; nv *= 2) {
-			if (smem_variant(a, dev, nv, K, 3, MAX_THREADS, v) ||
-			    smem_variant(a, dev, nv, K, 2, MAX_THREADS, v))
+			if (smem_variant(a, dev, nv, K, MAX_THREADS, v))
 				return true;
 		}
 	}
@@ -525,7 +519,7 @@ int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_dev
 	if (tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) &&
 	    fwd_prefers_smem(args, out)) {
 		struct nk_variant v;
-		if (smem_variant(args, dev, nv, 1, 2, SMEM_FWD_MAX_THREADS, &v))
+		if (smem_variant(args, dev, nv, 1, SMEM_FWD_MAX_THREADS, &v))
 			*out = v;
 		return NK_OK;
 	}
@@ -561,23 +555,21 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 	/*
 	 * Rows of a block or more: block_smem shapes first (callers keep few).
 	 * Forward: 2, 4, 8 vectors a thread. Backward: 1 to 32 elements a thread
-	 * on one block, two and three stages deep, then clusters of 2; four
-	 * block_smem shapes at most.
+	 * on one block, then on clusters of 2; four block_smem shapes at most.
 	 */
-	for (int k = 0, staged = 0; k < 16 && staged < 4 && n < max &&
+	for (int k = 0, staged = 0; k < 8 && staged < 4 && n < max &&
 				    args->cols / vec_of(args) > 512;
 	     k++) {
-		int nv = 2 << k, K = 1, stages = 2;
+		int nv = 2 << k, K = 1;
 		if (is_bwd(args)) {
-			nv = 1 << (k % 8 / 2);
-			stages = 2 + k % 2;
-			K = k < 8 ? 1 : 2;
+			nv = 1 << (k % 4);
+			K = k < 4 ? 1 : 2;
 			if (nv * vec_of(args) > SMEM_BWD_MAX_ELEMS)
 				continue;
 		} else if (k >= 3) {
 			break;
 		}
-		if (!smem_variant(args, dev, nv, K, stages,
+		if (!smem_variant(args, dev, nv, K,
 				  is_bwd(args) ? MAX_THREADS : SMEM_FWD_MAX_THREADS, &v) ||
 		    v.threads < 128)
 			continue;
@@ -641,8 +633,6 @@ void nk_variant_name(const struct nk_variant *variant, char *buf, size_t len)
 			 (unsigned)variant->rows_per_block, (unsigned)variant->vec_elems, s.NV);
 	if (n > 0 && (size_t)n < len && s.K > 1)
 		n += snprintf(buf + n, len - (size_t)n, s.split ? "/s%d" : "/c%d", s.K);
-	if (n > 0 && (size_t)n < len && s.stages != 2)
-		n += snprintf(buf + n, len - (size_t)n, "/d%d", s.stages);
 	if (n > 0 && (size_t)n < len && s.units_cap > 0)
 		snprintf(buf + n, len - (size_t)n, "/p%d", s.units_cap);
 }
