@@ -282,6 +282,8 @@ int main(int argc, char **argv)
 	       "-", "-");
 	printf("%-36s %9.1f %9.1f %9.1f\n", "normd event mode (call + stream sync)", event.p50,
 	       event.p99, event.max);
+	printf("%-36s %9.1f %9s %9s\n", "  of which device_us (daemon, p50)", event_parts.device_us,
+	       "-", "-");
 	printf("sync p50 / (rtt p50 + launch p50) = %.2f (target <= 1.5); sync p99 %.1f us "
 	       "(target < 100)\n",
 	       sync.p50 / floor, sync.p99);

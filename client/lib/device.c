@@ -286,16 +286,26 @@ NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *strea
 	if (slot < 0)
 		return event_result_fail(result, nc__fail(NC_ERESOURCE_EXHAUSTED,
 							  "no interprocess CUDA event available"));
-	/* The daemon's stream waits for what the caller queued so far. */
+	/*
+	 * The daemon's stream waits for what the caller queued so far, unless
+	 * all of it is done already: a GPU-side wait on another process's event
+	 * costs a switch between the two contexts (~300 us on an H100).
+	 */
 	int rc = 0;
 	uint64_t id = 0;
 	uint8_t done[64];
-	if (cudaEventRecord(ev->wait[slot], (cudaStream_t)stream) != cudaSuccess) {
+	cudaError_t idle = cudaStreamQuery((cudaStream_t)stream);
+	if (idle != cudaSuccess && idle != cudaErrorNotReady) {
+		cudaGetLastError();
+		rc = nc__fail(NC_EINVALID_ARGUMENT, "cudaStreamQuery on the caller's stream failed");
+	} else if (idle == cudaErrorNotReady &&
+		   cudaEventRecord(ev->wait[slot], (cudaStream_t)stream) != cudaSuccess) {
 		cudaGetLastError();
 		rc = nc__fail(NC_EINVALID_ARGUMENT, "cudaEventRecord on the caller's stream failed");
 	}
 	if (rc == 0)
-		rc = nc__job_submit_event(conn, job, ev->wait_handle[slot], &id);
+		rc = nc__job_submit_event(conn, job, idle == cudaSuccess ? NULL : ev->wait_handle[slot],
+					  true, &id);
 	if (rc == 0)
 		rc = nc__job_wait_event(conn, id, timeout_ms, result, done);
 	else

@@ -77,9 +77,12 @@ int nc__call(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms,
 /* Sends `env` and waits for a Result; returns its status (message recorded). */
 int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms);
 
-/* nc_job_submit with the IPC-event mode's wait_event (64 bytes; NULL: none). */
+/*
+ * nc_job_submit with the IPC-event mode's wait_event (64 bytes; NULL: none)
+ * and early_reply (answer once queued, naming a done event).
+ */
 int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const uint8_t *wait_event,
-			 uint64_t *request_id);
+			 bool early_reply, uint64_t *request_id);
 /* nc_job_wait that also copies the reply's done_event (all zero if none). */
 int nc__job_wait_event(nc_conn *conn, uint64_t request_id, int timeout_ms,
 		       struct nc_job_result *result, uint8_t *done_event);

@@ -64,7 +64,7 @@ static void job_to_msg(const struct nc_job *job, Normd__Job *msg, struct job_ten
 }
 
 int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const uint8_t *wait_event,
-			 uint64_t *request_id)
+			 bool early_reply, uint64_t *request_id)
 {
 	if (!conn || !job || !request_id)
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn, job and request_id must not be NULL");
@@ -72,11 +72,11 @@ int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const uint8_t 
 	struct job_tensors ts;
 	job_to_msg(job, &msg, &ts);
 	if (wait_event) {
-		msg.has_wait_event = msg.has_early_reply = true;
+		msg.has_wait_event = true;
 		msg.wait_event.data = (uint8_t *)wait_event;
 		msg.wait_event.len = 64;
-		msg.early_reply = true;
 	}
+	msg.has_early_reply = msg.early_reply = early_reply;
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.body_case = NORMD__ENVELOPE__BODY_JOB;
 	env.job = &msg;
@@ -85,7 +85,7 @@ int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const uint8_t 
 
 NC_API int nc_job_submit(nc_conn *conn, const struct nc_job *job, uint64_t *request_id)
 {
-	return nc__job_submit_event(conn, job, NULL, request_id);
+	return nc__job_submit_event(conn, job, NULL, false, request_id);
 }
 
 static int result_fail(struct nc_job_result *result, int status)
