@@ -324,14 +324,17 @@ int main(int argc, char **argv)
 	    {NK_LAYERNORM_FWD, false}, {NK_LAYERNORM_BWD, false}, {NK_LAYERNORM_BWD, true},
 	    {NK_RMSNORM_FWD, false},   {NK_RMSNORM_BWD, false},	  {NK_RMSNORM_BWD, true},
 	};
-	/* An optional argument limits the run to one cols value (for quick looks). */
-	int64_t only = argc > 1 ? atoll(argv[1]) : 0;
+	/* Optional arguments limit the run to those cols values (for quick looks). */
+	bool only = argc > 1;
 
 	setup();
 	for (int d = 0; d < 2; d++) {
 		fill_inputs(dts[d]);
 		for (size_t c = 0; c < sizeof(cols) / sizeof(cols[0]); c++) {
-			if (only && cols[c] != only)
+			bool listed = !only;
+			for (int k = 1; k < argc; k++)
+				listed = listed || atoll(argv[k]) == cols[c];
+			if (!listed)
 				continue;
 			for (size_t o = 0; o < sizeof(ops) / sizeof(ops[0]); o++) {
 				struct bjob b = {ops[o].op, dts[d], ops[o].memeff,

@@ -195,7 +195,147 @@ int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaS
 	return err == cudaSuccess ? NK_OK : set_error(err, "forward kernel launch");
 }
 
+/*
+ * block_smem forward: a block owns whole rows, one at a time (persistent
+ * over rows), for rows too wide for a block's registers. The row is staged
+ * in shared memory by cp.async, two stages deep (the next row is in flight
+ * while this one is reduced and written); thread t copies and reads back
+ * vectors t, t + G, ..., so the stages need no barrier. LayerNorm takes the
+ * same two sum reductions as the tiled kernel on one block (mean, then
+ * squared deviations), both over shared memory; RMSNorm one.
+ */
+template <typename T, typename W>
+__global__ void __launch_bounds__(SMEM_FWD_MAX_THREADS) fwd_smem(const Params p)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	extern __shared__ uint4 stage[]; /* [2 stages][nvec] */
+	__shared__ RedSmem sm;
+	const int t = threadIdx.x, G = blockDim.x;
+	const int n = p.nvec;
+	int parity = 0, st = 0;
+
+	auto issue = [&](int64_t row, uint4 *dst) {
+		const uint4 *b =
+		    reinterpret_cast<const uint4 *>(static_cast<const T *>(p.x) + row * p.cols);
+		for (int v = t; v < n; v += G)
+			cp_async16(dst + v, b + v);
+	};
+	int64_t row = blockIdx.x;
+	issue(row, stage);
+	cp_async_commit();
+	for (; row < p.rows; row += gridDim.x) {
+		const int64_t next = row + gridDim.x;
+		if (next < p.rows)
+			issue(next, stage + n * (st ^ 1));
+		cp_async_commit();
+		cp_async_wait<1>();
+		const uint4 *cur = stage + n * st;
+		float mean = 0.0f, q[1] = {0.0f};
+		if (p.f & F_LN) {
+			float s1[1] = {0.0f};
+#pragma unroll 2
+			for (int v = t; v < n; v += G) {
+				float x[VEC];
+				unpack<T>(cur[v], x);
+#pragma unroll
+				for (int i = 0; i < VEC; i++)
+					s1[0] += x[i];
+			}
+			group_reduce<SumOp<1>>(s1, G, 1, sm, parity);
+			parity ^= 1;
+			mean = s1[0] * p.inv_cols;
+		}
+#pragma unroll 2
+		for (int v = t; v < n; v += G) {
+			float x[VEC];
+			unpack<T>(cur[v], x);
+#pragma unroll
+			for (int i = 0; i < VEC; i++) {
+				const float d = x[i] - mean;
+				q[0] += d * d;
+			}
+		}
+		group_reduce<SumOp<1>>(q, G, 1, sm, parity);
+		parity ^= 1;
+		const float rstd = rsqrtf(q[0] * p.inv_cols + p.eps);
+		uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.y) + row * p.cols);
+#pragma unroll 2
+		for (int v = t; v < n; v += G) {
+			float x[VEC], g[VEC], b[VEC], y[VEC];
+			unpack<T>(cur[v], x);
+			if (p.f & F_GAMMA) {
+				load_weights<VEC>(static_cast<const W *>(p.gamma) + v * VEC, g);
+			} else {
+#pragma unroll
+				for (int i = 0; i < VEC; i++)
+					g[i] = 1.0f;
+			}
+			if (p.f & F_BETA) {
+				load_weights<VEC>(static_cast<const W *>(p.beta) + v * VEC, b);
+			} else {
+#pragma unroll
+				for (int i = 0; i < VEC; i++)
+					b[i] = 0.0f;
+			}
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				y[i] = (x[i] - mean) * rstd * g[i] + b[i];
+			__stcs(out + v, pack<T>(y));
+		}
+		if (t == 0 && p.mean)
+			p.mean[row] = mean;
+		if (t == 0 && p.rstd)
+			p.rstd[row] = rstd;
+		st ^= 1;
+	}
+}
+
+/* Resident blocks of kern with `threads` threads and `smem` bytes, asked once. */
+template <auto kern> static int resident_smem_blocks(int threads, size_t smem)
+{
+	static int cached_threads, cached_n;
+	static size_t cached_smem;
+	int n = 0;
+	if (__atomic_load_n(&cached_threads, __ATOMIC_ACQUIRE) == threads &&
+	    __atomic_load_n(&cached_smem, __ATOMIC_RELAXED) == smem)
+		return __atomic_load_n(&cached_n, __ATOMIC_RELAXED);
+	if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, threads, smem) != cudaSuccess ||
+	    n < 1) {
+		(void)cudaGetLastError();
+		n = 1;
+	}
+	__atomic_store_n(&cached_n, n, __ATOMIC_RELAXED);
+	__atomic_store_n(&cached_smem, smem, __ATOMIC_RELAXED);
+	__atomic_store_n(&cached_threads, threads, __ATOMIC_RELEASE);
+	return n;
+}
+
 } /* namespace */
+
+int launch_fwd_smem(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
+		    cudaStream_t stream)
+{
+	Params p = params_of(a);
+	p.G = s.threads;
+	p.K = 1;
+	p.R = 1;
+	p.iters = a->rows;
+	const size_t smem = smem_stage_bytes(a, s);
+	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
+		using T = decltype(tt);
+		using W = decltype(wt);
+		constexpr auto kern = fwd_smem<T, W>;
+		p.nvec = (int)(a->cols / (16 / sizeof(T)));
+		cudaError_t err = allow_smem<kern>(dev, smem);
+		if (err != cudaSuccess)
+			return set_error(err, "block_smem forward shared memory");
+		int64_t grid = (int64_t)dev->sm_count * resident_smem_blocks<kern>(s.threads, smem);
+		if (grid > a->rows)
+			grid = a->rows;
+		err = launch_kernel(kern, grid, s.threads, 1, stream, p, smem);
+		return err == cudaSuccess ? NK_OK : set_error(err, "block_smem forward launch");
+	});
+}
 
 int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
 		     cudaStream_t stream)

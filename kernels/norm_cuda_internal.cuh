@@ -9,6 +9,9 @@
  *     G > 32 is a whole block, and on sm_90 a thread-block cluster of K
  *     blocks may share one row, exchanging partial sums through distributed
  *     shared memory. Needs 16-byte aligned tensors and cols % VEC == 0.
+ *   - block_smem (NK_FAMILY_BLOCK_SMEM): a block (backward on sm_90 also a
+ *     cluster) owns a row at a time and stages it in shared memory with
+ *     cp.async, the next row(s) in flight; for rows wider than registers hold.
  *   - generic (NK_FAMILY_GENERIC): scalar loads, several passes over a row
  *     (the later ones hit L2); any cols, any alignment.
  * Backward writes per-row-group dgamma/dbeta partials (fp32) to the
@@ -107,6 +110,13 @@ int launch_fwd_generic(const struct nk_norm_args *a, const struct nk_device_info
 		       const Shape &s, cudaStream_t stream);
 int launch_bwd_generic(const struct nk_norm_args *a, const struct nk_device_info *dev,
 		       const Shape &s, float *part, cudaStream_t stream);
+/* Shared-memory family (norm_cuda_smem.cu): the row staged in shared memory. */
+int launch_fwd_smem(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
+		    cudaStream_t stream);
+int launch_bwd_smem(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
+		    float *part, const float *rg, cudaStream_t stream);
+/* Dynamic shared memory of a block_smem variant (its slice of the row, two stages). */
+size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s);
 /* Memory-efficient backward: rg[c] = 1 / clamp(gamma[c]), before the kernel. */
 int launch_reciprocal_gamma(const struct nk_norm_args *a, float *rg, cudaStream_t stream);
 /* Sums partials into dgamma/dbeta and counts clamped gamma entries. */
@@ -389,18 +399,61 @@ __device__ __forceinline__ void group_reduce(float *v, int G, int K, RedSmem &sm
 		cluster_reduce<Op>(v, K, sm, parity);
 }
 
+/*
+ * Asynchronous 16-byte copies from device to shared memory that bypass L1
+ * (sm_80 and later). Every thread waits only for its own copies, so a slot
+ * that one thread fills and reads needs no barrier.
+ */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
+{
+	const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+	asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit()
+{
+	asm volatile("cp.async.commit_group;" ::: "memory");
+}
+/* Waits until at most N of this thread's newest copy groups are in flight. */
+template <int N> __device__ __forceinline__ void cp_async_wait()
+{
+	asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 /* ---- host helpers ------------------------------------------------------------ */
 
-/* Launches kern(p) on a 1-D grid, as clusters of K blocks when K > 1. */
+/*
+ * Lets kern use `bytes` of dynamic shared memory (static plus dynamic above
+ * 48 KB is an opt-in per function and device); remembered per device.
+ */
+template <auto kern> static inline cudaError_t allow_smem(const struct nk_device_info *dev,
+							  size_t bytes)
+{
+	static size_t allowed[16];
+	const int slot = dev->ordinal >= 0 && dev->ordinal < 16 ? dev->ordinal : 0;
+	/* Static shared memory counts against the default too: ask for any dynamic. */
+	if (bytes == 0 || __atomic_load_n(&allowed[slot], __ATOMIC_RELAXED) >= bytes)
+		return cudaSuccess;
+	cudaError_t err =
+	    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+	if (err == cudaSuccess)
+		__atomic_store_n(&allowed[slot], bytes, __ATOMIC_RELAXED);
+	return err;
+}
+
+/*
+ * Launches kern(p) on a 1-D grid, as clusters of K blocks when K > 1, with
+ * `smem` bytes of dynamic shared memory (see allow_smem).
+ */
 template <typename Kern>
 static inline cudaError_t launch_kernel(Kern kern, int64_t grid, int threads, int K,
-					cudaStream_t stream, const Params &p)
+					cudaStream_t stream, const Params &p, size_t smem = 0)
 {
 	cudaLaunchConfig_t cfg = {};
 	cudaLaunchAttribute attr[1];
 
 	cfg.gridDim = dim3((unsigned)grid);
 	cfg.blockDim = dim3((unsigned)threads);
+	cfg.dynamicSmemBytes = smem;
 	cfg.stream = stream;
 	if (K > 1) {
 		attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -482,6 +535,12 @@ template <int MAXE, int VEC, class F> static inline int with_nv(int nv, F &&f)
  */
 constexpr int FWD_MAX_ELEMS = 32;
 constexpr int BWD_MAX_NV = 2;
+/* Elements a block_smem backward thread keeps dgamma/dbeta sums for. */
+constexpr int SMEM_BWD_MAX_ELEMS = 32;
+/* Threads per block of a block_smem backward cluster, at most. */
+constexpr int SMEM_CLUSTER_MAX_THREADS = 256;
+/* Threads per block of the block_smem forward, at most. */
+constexpr int SMEM_FWD_MAX_THREADS = 1024;
 /* Threads per block of the tiled kernels, at most; backward on sm_80. */
 constexpr int MAX_THREADS = 512;
 constexpr int BWD_MAX_THREADS_SM80 = 256;

@@ -12,9 +12,16 @@
  *     go to a piece of a warp, wider rows to a block of up to 512 threads
  *     (256 for backward on sm_80), and forward rows wider than one block
  *     holds to a cluster of 2, 4 or 8 blocks (sm_90);
- *   - backward rows wider than one block are split: a row-sums kernel, then
- *     K column slices of up to 16 independent blocks (also on sm_80);
- *     clusters stay autotuning candidates;
+ *   - rows wider than a block's registers are staged in shared memory
+ *     (block_smem: a block a row, cp.async two rows deep) where the
+ *     stages fit the device's opt-in shared memory: backward on one block of
+ *     up to 512 threads (32 elements a thread), else on a cluster of 2
+ *     (sm_90); forward on one block of up to 1024 threads. Forward rows that
+ *     one tiled block holds but that leave fewer than 16 warps resident
+ *     (12288 columns) are staged too;
+ *   - other backward rows wider than one block are split: a row-sums
+ *     kernel, then K column slices of up to 16 independent blocks (also on
+ *     sm_80); clusters stay autotuning candidates;
  *   - the backward grid is capped by units_cap, computed for a reference
  *     device of REF_SMS multiprocessors and never from the actual one, so the
  *     partial rows (hence the weight gradients' bits) depend on the shape and
@@ -37,6 +44,7 @@ static thread_local char last_error[256] = "no error";
 
 int set_error(cudaError_t err, const char *where)
 {
+	(void)cudaGetLastError(); /* a failed launch must not fail the next check */
 	snprintf(last_error, sizeof(last_error), "%s: %s (%s)", where, cudaGetErrorString(err),
 		 cudaGetErrorName(err));
 	return NK_EDEVICE;
@@ -213,6 +221,100 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 	return true;
 }
 
+size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s)
+{
+	/* Two stages: the row of x (forward), or a block's slots of x or y and dy. */
+	if (!is_bwd(a))
+		return (size_t)2 * (size_t)a->cols * nk_dtype_size(a->dtype);
+	return (size_t)2 * 2 * 16 * (size_t)s.NV * (size_t)s.threads;
+}
+
+/* Whether a block_smem launch of `threads` threads fits the device's shared memory. */
+static bool smem_fits(const struct nk_norm_args *a, const struct nk_device_info *dev,
+		      const Shape &s)
+{
+	/* The static reduction scratch and the 1 KB the runtime reserves. */
+	const size_t fixed = sizeof(RedSmem) + 1024;
+	return dev->cc_major >= 8 && smem_stage_bytes(a, s) + fixed <= dev->max_smem_per_block_optin;
+}
+
+/* Backward grid cap of a block_smem shape, from the reference device. */
+static int smem_units_cap(const struct nk_norm_args *a, const Shape &s)
+{
+	const size_t ref_smem = 228 * 1024; /* shared memory of an sm_90 multiprocessor */
+	/* Estimates: the dgamma/dbeta sums and 40; clusters (256 threads) take more. */
+	const int elems = s.NV * vec_of(a);
+	int regs = s.K > 1 ? 48 + 5 * elems : 40 + 2 * elems;
+	int per_sm = 2048 / s.threads;
+	int by_regs = 65536 / (s.threads * ((regs + 7) / 8 * 8));
+	int by_smem = (int)(ref_smem / (smem_stage_bytes(a, s) + sizeof(RedSmem) + 1024));
+	if (by_regs < per_sm)
+		per_sm = by_regs;
+	if (by_smem < per_sm)
+		per_sm = by_smem;
+	if (per_sm < 1)
+		per_sm = 1;
+	return REF_SMS * per_sm / s.K;
+}
+
+/*
+ * A block_smem variant: a block of up to `block_max` threads a row, `nv`
+ * vectors a thread (backward: at most SMEM_BWD_MAX_ELEMS elements, whose
+ * dgamma/dbeta sums stay in registers). False if none fits the job.
+ */
+static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int nv,
+			 int K, int block_max, struct nk_variant *v)
+{
+	const int vec = vec_of(a);
+	const int64_t nvec = a->cols / vec;
+	const int tmax = is_bwd(a) ? MAX_THREADS : SMEM_FWD_MAX_THREADS;
+
+	if (!tiled_layout_ok(a) || nv < 1 || (is_bwd(a) && nv * vec > SMEM_BWD_MAX_ELEMS))
+		return false;
+	if (K != 1 && (!is_bwd(a) || dev->cc_major < 9))
+		return false;
+	if (block_max > (K > 1 ? SMEM_CLUSTER_MAX_THREADS : tmax))
+		block_max = K > 1 ? SMEM_CLUSTER_MAX_THREADS : tmax;
+	int64_t threads = (nvec + (int64_t)nv * K - 1) / ((int64_t)nv * K);
+	threads = (threads + 31) / 32 * 32;
+	if (threads > block_max || threads < 64)
+		return false;
+	memset(v, 0, sizeof(*v));
+	v->family = NK_FAMILY_BLOCK_SMEM;
+	v->threads = (uint16_t)threads;
+	v->rows_per_block = 1;
+	v->vec_elems = (uint16_t)vec;
+	v->param = shape_param(nv, K, 0, false);
+	Shape s = shape_of(v);
+	if (!smem_fits(a, dev, s))
+		return false;
+	if (is_bwd(a))
+		v->param = shape_param(nv, K, smem_units_cap(a, s), false);
+	return true;
+}
+
+static bool smem_variant_fits(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			      const struct nk_variant *v, const Shape &s)
+{
+	const int vec = vec_of(a);
+	const int64_t nvec = a->cols / vec;
+	const int tmax = is_bwd(a) ? MAX_THREADS : SMEM_FWD_MAX_THREADS;
+	const int maxnv = is_bwd(a) ? SMEM_BWD_MAX_ELEMS / vec : 16;
+
+	if (!tiled_layout_ok(a) || v->vec_elems != vec || s.R != 1 || s.split)
+		return false;
+	if (s.K != 1 && (!is_bwd(a) || dev->cc_major < 9 || s.K > MAX_CLUSTER ||
+			 (s.K & (s.K - 1)) != 0 || s.threads > SMEM_CLUSTER_MAX_THREADS))
+		return false;
+	if (s.threads < 64 || s.threads > tmax || s.threads % 32 != 0)
+		return false;
+	if (s.NV < 1 || s.NV > maxnv || (s.NV & (s.NV - 1)) != 0)
+		return false;
+	if (is_bwd(a) && s.units_cap < 1)
+		return false;
+	return (int64_t)s.threads * s.NV * s.K >= nvec && smem_fits(a, dev, s);
+}
+
 static void generic_variant(const struct nk_norm_args *a, struct nk_variant *v)
 {
 	memset(v, 0, sizeof(*v));
@@ -326,10 +428,22 @@ static int dispatch(const struct nk_norm_args *a, const struct nk_device_info *d
 	if (!is_bwd(a)) {
 		if (s.family == NK_FAMILY_GENERIC)
 			return launch_fwd_generic(a, dev, s, stream);
+		if (s.family == NK_FAMILY_BLOCK_SMEM)
+			return launch_fwd_smem(a, dev, s, stream);
 		return launch_fwd_tiled(a, dev, s, stream);
 	}
 	if (s.family == NK_FAMILY_GENERIC) {
 		rc = launch_bwd_generic(a, dev, s, part, stream);
+	} else if (s.family == NK_FAMILY_BLOCK_SMEM) {
+		float *rg = NULL;
+		if (a->flags & NK_MEMORY_EFFICIENT) {
+			rg = reinterpret_cast<float *>(static_cast<char *>(exec->workspace) +
+						       partials_bytes(a, v));
+			rc = launch_reciprocal_gamma(a, rg, stream);
+			if (rc != NK_OK)
+				return rc;
+		}
+		rc = launch_bwd_smem(a, dev, s, part, rg, stream);
 	} else {
 		char *ws = static_cast<char *>(exec->workspace);
 		float *rg = NULL, *sums = NULL;
@@ -356,20 +470,73 @@ using namespace nkc;
 
 extern "C" {
 
+/*
+ * The block_smem default, if one fits: the fewest vectors a thread (the most
+ * threads, up to the block limit), backward on one block, else a cluster of
+ * 2 (sm_90).
+ */
+static bool smem_default(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			 struct nk_variant *v)
+{
+	if (!is_bwd(a)) {
+		for (int nv = 1; nv <= 16; nv *= 2) {
+			if (smem_variant(a, dev, nv, 1, SMEM_FWD_MAX_THREADS, v))
+				return true;
+		}
+		return false;
+	}
+	for (int K = 1; K <= 2; K++) {
+		for (int nv = 1; nv * vec_of(a) <= SMEM_BWD_MAX_ELEMS; nv *= 2) {
+			if (smem_variant(a, dev, nv, K, MAX_THREADS, v))
+				return true;
+		}
+	}
+	return false;
+}
+
+/*
+ * Whether a forward row that one block holds in registers runs better staged:
+ * a tiled block that leaves fewer than 16 warps resident on a multiprocessor
+ * (1.5 blocks' worth of registers, e.g. 384 threads at 12288 bf16 columns)
+ * loses 2-7% to block_smem, which holds no row in registers.
+ */
+static bool fwd_prefers_smem(const struct nk_norm_args *a, const struct nk_variant *tiled)
+{
+	const Shape s = shape_of(tiled);
+	if (is_bwd(a) || s.family != NK_FAMILY_BLOCK_ROW || s.R != 1 || s.K != 1)
+		return false;
+	const int regs = 112; /* forward tiled at 32 elements a thread, rounded */
+	const int blocks = 65536 / (s.threads * regs);
+	return blocks * s.threads / 32 < 16;
+}
+
 int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_device_info *dev,
 			    struct nk_variant *out)
 {
 	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
 		return NK_EINVAL;
 	int nv = max_nv(args);
+	if (tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) &&
+	    fwd_prefers_smem(args, out)) {
+		struct nk_variant v;
+		if (smem_variant(args, dev, nv, 1, SMEM_FWD_MAX_THREADS, &v))
+			*out = v;
+		return NK_OK;
+	}
 	if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) || shape_of(out).K > 1) {
 		/*
-		 * Backward rows wider than a block run split: clusters lose to it
-		 * from 4 blocks on, and at 2 blocks lose the memory-efficient
-		 * backward 15-25% while winning the standard one by at most 6%
-		 * (BENCHMARKS.md). Forward keeps its clusters.
+		 * Rows wider than a block's registers: the row staged in shared
+		 * memory where it fits, else backward runs split (clusters lose
+		 * to it from 4 blocks on, and at 2 blocks lose the
+		 * memory-efficient backward 15-25% while winning the standard
+		 * one by at most 6%, BENCHMARKS.md) and forward keeps its
+		 * clusters.
 		 */
-		if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, true, out))
+		if (smem_default(args, dev, out))
+			return NK_OK;
+		if (is_bwd(args) && !tiled_variant(args, dev, nv, 256, MAX_THREADS, true, out))
+			generic_variant(args, out);
+		else if (!is_bwd(args) && !tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out))
 			generic_variant(args, out);
 	}
 	return NK_OK;
@@ -385,6 +552,34 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 		return 0;
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
+	/*
+	 * Rows of a block or more: block_smem shapes first (callers keep few).
+	 * Forward: 2, 4, 8 vectors a thread. Backward: 1 to 32 elements a thread
+	 * on one block, then on clusters of 2; four block_smem shapes at most.
+	 */
+	for (int k = 0, staged = 0; k < 8 && staged < 4 && n < max &&
+				    args->cols / vec_of(args) > 512;
+	     k++) {
+		int nv = 2 << k, K = 1;
+		if (is_bwd(args)) {
+			nv = 1 << (k % 4);
+			K = k < 4 ? 1 : 2;
+			if (nv * vec_of(args) > SMEM_BWD_MAX_ELEMS)
+				continue;
+		} else if (k >= 3) {
+			break;
+		}
+		if (!smem_variant(args, dev, nv, K,
+				  is_bwd(args) ? MAX_THREADS : SMEM_FWD_MAX_THREADS, &v) ||
+		    v.threads < 128)
+			continue;
+		bool seen = false;
+		for (int i = 0; i < n; i++)
+			seen = seen || memcmp(&out[i], &v, sizeof(v)) == 0;
+		staged++;
+		if (!seen)
+			out[n++] = v;
+	}
 	for (int nv = max_nv(args); nv >= 1 && n < max; nv /= 2) {
 		for (int k = 0; k < 12 && n < max; k++) {
 			int wt = 128 << (k % 3), bm = k % 6 < 3 ? MAX_THREADS : 256;
@@ -413,6 +608,8 @@ bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_devic
 	case NK_FAMILY_WARP_ROWS:
 	case NK_FAMILY_BLOCK_ROW:
 		return tiled_fits(args, dev, variant, s);
+	case NK_FAMILY_BLOCK_SMEM:
+		return smem_variant_fits(args, dev, variant, s);
 	case NK_FAMILY_GENERIC:
 		return s.threads == 256 && (s.R == 1 || s.R == 8) && s.NV == 1 && s.K == 1 &&
 		       variant->vec_elems == 1 && (!is_bwd(args) || s.units_cap >= 1);

@@ -4,7 +4,8 @@
  *
  * Every op x (dtype, weight dtype) x flag combination runs on seeded random
  * data over cols = 1, 7, 32, 33, 127, 1000, 4096, 8192, 12288, 32768, 65536
- * and past 65536, with odd row counts, under the default variant and every
+ * and past 65536, with odd row counts (and 265 rows at 12288 and 32768, more
+ * than one row a block for the block_smem family), under the default variant and every
  * candidate of nk_cuda_variant_candidates. Outputs, guard elements behind
  * them and the workspace are poisoned (all bits set: NaN in every dtype)
  * before each run, so an unwritten element fails and a stray write is
@@ -682,6 +683,14 @@ int main(void)
 	run_all_ops(9, 4096, 1);
 	run_op(NK_LAYERNORM_BWD, ln_bwd, 7, 20001, 1000, 0);
 	run_op(NK_RMSNORM_FWD, rms_fwd, 2, 100003, 128, 0);
+	/*
+	 * block_smem: more rows than resident blocks (132 on an H100), so that
+	 * a block walks several rows through both shared-memory stages.
+	 */
+	run_op(NK_LAYERNORM_BWD, ln_bwd, 7, 265, 12288, 0);
+	run_op(NK_RMSNORM_BWD, rms_bwd, 4, 265, 12288, 0);
+	run_op(NK_LAYERNORM_FWD, ln_fwd, 4, 265, 32768, 0);
+	run_op(NK_RMSNORM_FWD, rms_fwd, 2, 265, 32768, 0);
 	run_nan_cases();
 	run_fallback_case();
 
