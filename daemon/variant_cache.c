@@ -2,10 +2,12 @@
  * The per-device kernel-variant cache (see variant_cache.h).
  *
  * File format, one file per GPU, `<state_dir>/variants-<uuid>.txt`:
- *   normd-variants 1 <uuid hex>
+ *   normd-variants 2 <uuid hex> <NK_VARIANT_SET>
  *   <op> <dtype> <weight_dtype> <flags> <cols> <family> <threads> <rows_per_block> <vec_elems> <param> <source>
- * Any line that does not parse, or a header for another GPU or version,
- * makes the whole file ignored (with a warning): it is only a cache.
+ * Any line that does not parse, or a header for another GPU, format or
+ * variant set, makes the whole file ignored (with a warning): it is only a
+ * cache. Only autotuned choices are written: a rule is cheaper to apply
+ * again than to read, and a persisted rule would outlive a better one.
  */
 #include "daemon/variant_cache.h"
 
@@ -19,7 +21,7 @@
 #include "daemon/log.h"
 #include "proto/frame.h"
 
-#define VARIANT_FILE_VERSION 1
+#define VARIANT_FILE_VERSION 2
 
 struct variant_key {
 	int64_t cols;
@@ -224,8 +226,8 @@ static void variant_cache_load(struct variant_cache *cache)
 	if (!f)
 		return;
 	char line[256], header[96];
-	snprintf(header, sizeof(header), "normd-variants %d %s\n", VARIANT_FILE_VERSION,
-		 cache->uuid_hex);
+	snprintf(header, sizeof(header), "normd-variants %d %s %d\n", VARIANT_FILE_VERSION,
+		 cache->uuid_hex, NK_VARIANT_SET);
 	int lineno = 1;
 	bool ok = fgets(line, sizeof(line), f) && !strcmp(line, header);
 	size_t loaded = 0;
@@ -242,7 +244,7 @@ static void variant_cache_load(struct variant_cache *cache)
 	fclose(f);
 	if (!ok) {
 		log_warn("event=variant_cache_ignored path=%s line=%d reason=\"corrupt or for "
-			 "another GPU\"",
+			 "another GPU or kernel version\"",
 			 cache->path, lineno);
 		for (size_t i = 0; i < cache->capacity; i++)
 			cache->entries[i].used = false;
@@ -267,10 +269,11 @@ int variant_cache_save(struct variant_cache *cache)
 		rc = -1;
 		goto out;
 	}
-	fprintf(f, "normd-variants %d %s\n", VARIANT_FILE_VERSION, cache->uuid_hex);
+	fprintf(f, "normd-variants %d %s %d\n", VARIANT_FILE_VERSION, cache->uuid_hex,
+		NK_VARIANT_SET);
 	for (size_t i = 0; i < cache->capacity; i++) {
 		const struct variant_entry *e = &cache->entries[i];
-		if (!e->used)
+		if (!e->used || e->source == VS_RULE)
 			continue;
 		fprintf(f, "%u %u %u %u %lld %u %u %u %u %u %u\n", e->key.op, e->key.dtype,
 			e->key.weight_dtype, e->key.flags, (long long)e->key.cols, e->variant.family,

@@ -75,10 +75,6 @@ __device__ __forceinline__ RowStats load_stats(const Params &p, int64_t row, boo
 }
 
 /*
- * xh and g = dy * gamma of one vector. Vectors past the row end come in as
- * zeros and leave zeros (g = 0), so they add nothing to any sum.
- */
-/*
  * Memory-efficient tiled backward stages the weights of the thread's fixed
  * columns in shared memory once per block, as floats: gamma, beta and rg,
  * each as VEC / 4 planes of float4 indexed by slot (j * G + t), so a warp
@@ -137,6 +133,10 @@ __device__ __forceinline__ void stage_weights(const Params &p, int rank, float4 
 	__syncthreads();
 }
 
+/*
+ * xh and g = dy * gamma of one vector. Vectors past the row end come in as
+ * zeros and leave zeros (g = 0), so they add nothing to any sum.
+ */
 template <typename T, typename W>
 __device__ __forceinline__ void vector_terms(const Params &p, uint4 xr, uint4 dyr, int col,
 					     bool present, RowStats st, float *xh, float *dy,

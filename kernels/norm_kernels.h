@@ -184,6 +184,14 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
 
 /* ---- CUDA backend ------------------------------------------------------- */
 
+/*
+ * The generation of the CUDA variants and of the rules that pick them: bump
+ * it when a variant's meaning or a default changes, so that choices a
+ * daemon persisted for older kernels are dropped instead of kept forever.
+ * 2: block_smem for rows too wide for registers (2026-11-22).
+ */
+#define NK_VARIANT_SET 2
+
 /* Which kernel family a variant runs. */
 enum nk_variant_family {
 	NK_FAMILY_NONE = 0,

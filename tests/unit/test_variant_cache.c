@@ -96,12 +96,16 @@ static void test_persisted_and_reloaded(void **state)
 	(void)state;
 	struct variant_cache *c = variant_cache_create(uuid_a, 0, state_dir);
 	struct nk_norm_args a = job(NK_RMSNORM_FWD, 12288, false);
+	struct nk_norm_args ruled = job(NK_RMSNORM_FWD, 4096, false);
 	struct nk_variant v = variant(384, 1), got;
 	variant_cache_store(c, &a, &v, VS_AUTOTUNE);
+	variant_cache_store(c, &ruled, &v, VS_RULE);
 	assert_int_equal(variant_cache_save(c), 0);
 	variant_cache_destroy(c);
 
+	/* Only the autotuned choice comes back: rules are applied afresh. */
 	c = variant_cache_create(uuid_a, 0, state_dir);
+	assert_false(variant_cache_lookup(c, &ruled, &got));
 	assert_true(variant_cache_lookup(c, &a, &got));
 	assert_memory_equal(&got, &v, sizeof(v));
 	struct variant_row *rows = NULL;
@@ -119,37 +123,42 @@ static void test_persisted_and_reloaded(void **state)
 	variant_cache_destroy(c);
 }
 
-/* Writes `text` as uuid_a's cache file. */
-static void write_cache_file(const char *text)
+/* Writes uuid_a's cache file: `header` (NULL: the valid one) and `lines`. */
+static void write_cache_file(const char *header, const char *lines)
 {
-	char path[256];
+	char path[256], valid[96];
+	snprintf(valid, sizeof(valid), "normd-variants 2 a102030405060708090a0b0c0d0e0f10 %d\n",
+		 NK_VARIANT_SET);
 	snprintf(path, sizeof(path), "%s/variants-a102030405060708090a0b0c0d0e0f10.txt",
 		 state_dir);
 	FILE *f = fopen(path, "w");
 	assert_non_null(f);
-	fputs(text, f);
+	fputs(header ? header : valid, f);
+	fputs(lines, f);
 	fclose(f);
 }
 
 static void test_corrupt_files_ignored(void **state)
 {
 	(void)state;
-	static const char *const bad[] = {
+	static const struct {
+		const char *header, *lines;
+	} bad[] = {
 		/* a garbage line after a good one */
-		"normd-variants 1 a102030405060708090a0b0c0d0e0f10\n"
-		"2 2 0 2 1024 2 256 4 8 2 1\nnot a line\n",
+		{NULL, "2 2 0 2 1024 2 256 4 8 2 1\nnot a line\n"},
 		/* impossible values: family 9, 4096 threads */
-		"normd-variants 1 a102030405060708090a0b0c0d0e0f10\n"
-		"2 2 0 2 1024 9 4096 4 8 2 1\n",
-		/* another format version */
-		"normd-variants 2 a102030405060708090a0b0c0d0e0f10\n"
-		"2 2 0 2 1024 2 256 4 8 2 1\n",
+		{NULL, "2 2 0 2 1024 9 4096 4 8 2 1\n"},
+		/* the previous format version */
+		{"normd-variants 1 a102030405060708090a0b0c0d0e0f10\n", "2 2 0 2 1024 2 256 4 8 2 1\n"},
+		/* choices made for another generation of kernels */
+		{"normd-variants 2 a102030405060708090a0b0c0d0e0f10 1\n",
+		 "2 2 0 2 1024 2 256 4 8 2 1\n"},
 		/* no header at all */
-		"2 2 0 2 1024 2 256 4 8 2 1\n",
-		"",
+		{"", "2 2 0 2 1024 2 256 4 8 2 1\n"},
+		{"", ""},
 	};
 	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-		write_cache_file(bad[i]);
+		write_cache_file(bad[i].header, bad[i].lines);
 		struct variant_cache *c = variant_cache_create(uuid_a, 0, state_dir);
 		assert_non_null(c);
 		struct variant_row *rows = NULL;
@@ -160,8 +169,7 @@ static void test_corrupt_files_ignored(void **state)
 		variant_cache_destroy(c);
 	}
 	/* A well-formed file is taken. */
-	write_cache_file("normd-variants 1 a102030405060708090a0b0c0d0e0f10\n"
-			 "2 2 0 2 1024 2 256 4 8 2 1\n");
+	write_cache_file(NULL, "2 2 0 2 1024 2 256 4 8 2 1\n");
 	struct variant_cache *c = variant_cache_create(uuid_a, 0, state_dir);
 	struct nk_norm_args a = job(NK_RMSNORM_FWD, 1024, false);
 	struct nk_variant got;
