@@ -13,6 +13,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -22,17 +23,18 @@
 #include "daemon/log.h"
 #include "proto/frame.h"
 
-static uint64_t live_regions;
-static uint64_t live_bytes;
+/* Regions are made on libuv's thread pool (dispatch.c) and freed on the loop. */
+static _Atomic uint64_t live_regions;
+static _Atomic uint64_t live_bytes;
 
 uint64_t region_live_count(void)
 {
-	return live_regions;
+	return atomic_load(&live_regions);
 }
 
 uint64_t region_live_bytes(void)
 {
-	return live_bytes;
+	return atomic_load(&live_bytes);
 }
 
 void region_table_init(struct region_table *table)
@@ -144,8 +146,8 @@ void region_unref(struct region *region)
 		region->release(region);
 	else if (region->kind == NORMD__REGION_KIND__HOST_MEMFD && region->base)
 		munmap(region->base, region->mapped_size);
-	live_regions--;
-	live_bytes -= region->mapped_size;
+	atomic_fetch_sub(&live_regions, 1);
+	atomic_fetch_sub(&live_bytes, region->mapped_size);
 	nc__free(region);
 }
 
@@ -172,8 +174,8 @@ struct region *region_new(uint64_t id, Normd__RegionKind kind, uint64_t size, in
 	region->mapped_size = (size_t)size;
 	region->device = device;
 	region->refs = 1;
-	live_regions++;
-	live_bytes += region->mapped_size;
+	atomic_fetch_add(&live_regions, 1);
+	atomic_fetch_add(&live_bytes, region->mapped_size);
 	return region;
 }
 
