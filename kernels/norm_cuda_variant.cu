@@ -510,12 +510,33 @@ static bool fwd_prefers_smem(const struct nk_norm_args *a, const struct nk_varia
 	return blocks * s.threads / 32 < 16;
 }
 
+/*
+ * Whether an fp32 backward row that one block holds in registers runs better
+ * staged: at 512 threads (4096 columns) the tiled block reached 83% of copy
+ * bandwidth on the H100 and block_smem 94-95%, memory-efficient included
+ * (BENCHMARKS.md, 2026-11-22). bf16 at the same block shape (8192 columns)
+ * keeps the tiled kernel, which measured as fast as block_smem there.
+ */
+static bool bwd_prefers_smem(const struct nk_norm_args *a, const struct nk_variant *tiled)
+{
+	const Shape s = shape_of(tiled);
+	return is_bwd(a) && vec_of(a) == 4 && s.family == NK_FAMILY_BLOCK_ROW && s.R == 1 &&
+	       s.K == 1 && s.threads >= 512;
+}
+
 int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_device_info *dev,
 			    struct nk_variant *out)
 {
 	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
 		return NK_EINVAL;
 	int nv = max_nv(args);
+	if (tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) &&
+	    bwd_prefers_smem(args, out)) {
+		struct nk_variant v;
+		if (smem_default(args, dev, &v))
+			*out = v;
+		return NK_OK;
+	}
 	if (tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) &&
 	    fwd_prefers_smem(args, out)) {
 		struct nk_variant v;
