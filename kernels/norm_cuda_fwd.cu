@@ -99,7 +99,34 @@ __device__ __forceinline__ void row_stats(const Params &p, const float *x, const
 	*rstd = rsqrtf(w[2] * p.inv_cols + p.eps);
 }
 
-/* y of the NV vectors a thread owns, rounded once and streamed out. */
+/* y of vector `v` of a row (its x in `x`), rounded once and streamed to `out`. */
+template <typename T, typename W>
+__device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
+					     const float *x, float mean, float rstd)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	float g[VEC], b[VEC], y[VEC];
+	if (p.f & F_GAMMA) {
+		load_weights<VEC>(static_cast<const W *>(p.gamma) + v * VEC, g);
+	} else {
+#pragma unroll
+		for (int i = 0; i < VEC; i++)
+			g[i] = 1.0f;
+	}
+	if (p.f & F_BETA) {
+		load_weights<VEC>(static_cast<const W *>(p.beta) + v * VEC, b);
+	} else {
+#pragma unroll
+		for (int i = 0; i < VEC; i++)
+			b[i] = 0.0f;
+	}
+#pragma unroll
+	for (int i = 0; i < VEC; i++)
+		y[i] = (x[i] - mean) * rstd * g[i] + b[i];
+	__stcs(out + v, pack<T>(y));
+}
+
+/* y of the NV vectors a thread owns. */
 template <typename T, typename W, int NV>
 __device__ __forceinline__ void write_row(const Params &p, int64_t row, const float *x,
 					  const int *vi, float mean, float rstd)
@@ -108,27 +135,8 @@ __device__ __forceinline__ void write_row(const Params &p, int64_t row, const fl
 	uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.y) + row * p.cols);
 #pragma unroll
 	for (int j = 0; j < NV; j++) {
-		if (vi[j] >= p.nvec)
-			continue;
-		float g[VEC], b[VEC], y[VEC];
-		if (p.f & F_GAMMA) {
-			load_weights<VEC>(static_cast<const W *>(p.gamma) + vi[j] * VEC, g);
-		} else {
-#pragma unroll
-			for (int i = 0; i < VEC; i++)
-				g[i] = 1.0f;
-		}
-		if (p.f & F_BETA) {
-			load_weights<VEC>(static_cast<const W *>(p.beta) + vi[j] * VEC, b);
-		} else {
-#pragma unroll
-			for (int i = 0; i < VEC; i++)
-				b[i] = 0.0f;
-		}
-#pragma unroll
-		for (int i = 0; i < VEC; i++)
-			y[i] = (x[j * VEC + i] - mean) * rstd * g[i] + b[i];
-		__stcs(out + vi[j], pack<T>(y));
+		if (vi[j] < p.nvec)
+			write_vector<T, W>(p, out, vi[j], x + j * VEC, mean, rstd);
 	}
 }
 
@@ -261,26 +269,9 @@ __global__ void __launch_bounds__(SMEM_FWD_MAX_THREADS) fwd_smem(const Params p)
 		uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.y) + row * p.cols);
 #pragma unroll 2
 		for (int v = t; v < n; v += G) {
-			float x[VEC], g[VEC], b[VEC], y[VEC];
+			float x[VEC];
 			unpack<T>(cur[v], x);
-			if (p.f & F_GAMMA) {
-				load_weights<VEC>(static_cast<const W *>(p.gamma) + v * VEC, g);
-			} else {
-#pragma unroll
-				for (int i = 0; i < VEC; i++)
-					g[i] = 1.0f;
-			}
-			if (p.f & F_BETA) {
-				load_weights<VEC>(static_cast<const W *>(p.beta) + v * VEC, b);
-			} else {
-#pragma unroll
-				for (int i = 0; i < VEC; i++)
-					b[i] = 0.0f;
-			}
-#pragma unroll
-			for (int i = 0; i < VEC; i++)
-				y[i] = (x[i] - mean) * rstd * g[i] + b[i];
-			__stcs(out + v, pack<T>(y));
+			write_vector<T, W>(p, out, v, x, mean, rstd);
 		}
 		if (t == 0 && p.mean)
 			p.mean[row] = mean;

@@ -93,8 +93,9 @@ static void call_expect(struct raw *r, Normd__Envelope *env, Normd__Status statu
 	expect_reply(r, env->request_id, status, needle);
 }
 
-static void register_region(struct raw *r, uint64_t id, int memfd, uint64_t size,
-			    Normd__Status status, const char *needle)
+/* Sends a RegisterRegion of `memfd` under request `request` without waiting. */
+static void register_send(struct raw *r, uint64_t request, uint64_t id, int memfd,
+			  uint64_t size)
 {
 	Normd__RegisterRegion reg = NORMD__REGISTER_REGION__INIT;
 	reg.region_id = id;
@@ -102,11 +103,18 @@ static void register_region(struct raw *r, uint64_t id, int memfd, uint64_t size
 	reg.size = size;
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.has_request_id = true;
-	env.request_id = r->next_id++;
+	env.request_id = request;
 	env.body_case = NORMD__ENVELOPE__BODY_REGISTER_REGION;
 	env.register_region = &reg;
 	assert_int_equal(raw_send_with_fd(r->fd, &env, memfd), 0);
-	expect_reply(r, env.request_id, status, needle);
+}
+
+static void register_region(struct raw *r, uint64_t id, int memfd, uint64_t size,
+			    Normd__Status status, const char *needle)
+{
+	uint64_t request = r->next_id++;
+	register_send(r, request, id, memfd, size);
+	expect_reply(r, request, status, needle);
 }
 
 static void unregister_region(struct raw *r, uint64_t id, Normd__Status status,
@@ -150,6 +158,16 @@ static void job_msg_init(struct job_msg *m)
 	m->job.y = &m->y;
 }
 
+/* An envelope carrying m's job under request `id`. */
+static void job_envelope(Normd__Envelope *env, struct job_msg *m, uint64_t id)
+{
+	normd__envelope__init(env);
+	env->has_request_id = true;
+	env->request_id = id;
+	env->body_case = NORMD__ENVELOPE__BODY_JOB;
+	env->job = &m->job;
+}
+
 static void job_expect(struct raw *r, struct job_msg *m, Normd__Status status, const char *needle)
 {
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
@@ -187,11 +205,8 @@ static void test_truncated_body(void **state)
 	(void)state;
 	struct job_msg m;
 	job_msg_init(&m);
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = 9;
-	env.body_case = NORMD__ENVELOPE__BODY_JOB;
-	env.job = &m.job;
+	Normd__Envelope env;
+	job_envelope(&env, &m, 9);
 	uint8_t *frame;
 	size_t len;
 	assert_int_equal(nc__frame_pack(&env, UINT32_MAX, &frame, &len), 0);
@@ -270,31 +285,21 @@ static void test_pipelined_registration(void **state)
 	struct raw r;
 	raw_open(&r);
 	int memfd = make_memfd(REGION_BYTES, MFD_ALLOW_SEALING);
-	Normd__RegisterRegion reg = NORMD__REGISTER_REGION__INIT;
-	reg.region_id = REGION_ID;
-	reg.kind = NORMD__REGION_KIND__HOST_MEMFD;
-	reg.size = REGION_BYTES;
-	Normd__Envelope first = NORMD__ENVELOPE__INIT;
-	first.has_request_id = true;
-	first.request_id = 500;
-	first.body_case = NORMD__ENVELOPE__BODY_REGISTER_REGION;
-	first.register_region = &reg;
-	assert_int_equal(raw_send_with_fd(r.fd, &first, memfd), 0);
+	register_send(&r, 500, REGION_ID, memfd, REGION_BYTES);
 	close(memfd);
 	struct job_msg m;
 	job_msg_init(&m);
-	Normd__Envelope job = NORMD__ENVELOPE__INIT;
-	job.has_request_id = true;
-	job.request_id = 501;
-	job.body_case = NORMD__ENVELOPE__BODY_JOB;
-	job.job = &m.job;
+	Normd__Envelope job;
+	job_envelope(&job, &m, 501);
 	assert_int_equal(raw_send(r.fd, &job), 0);
 	Normd__RegisterRegion again = NORMD__REGISTER_REGION__INIT;
 	again.region_id = REGION_ID;
 	again.kind = NORMD__REGION_KIND__CUDA_IPC;
 	again.size = REGION_BYTES;
-	Normd__Envelope second = first;
+	Normd__Envelope second = NORMD__ENVELOPE__INIT;
+	second.has_request_id = true;
 	second.request_id = 502;
+	second.body_case = NORMD__ENVELOPE__BODY_REGISTER_REGION;
 	second.register_region = &again;
 	assert_int_equal(raw_send(r.fd, &second), 0);
 	Normd__UnregisterRegion unreg = NORMD__UNREGISTER_REGION__INIT;
