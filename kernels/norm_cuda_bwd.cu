@@ -545,6 +545,191 @@ int run_smem(const Params &p, const struct nk_device_info *dev, const Shape &s, 
 	return err == cudaSuccess ? NK_OK : set_error(err, "block_smem backward launch");
 }
 
+/*
+ * block_smem ring backward: for rows whose two stages do not fit (fp32
+ * 16384 columns on one block of 512 threads, or a cluster's share of a
+ * wider row), and for 512-thread clusters. Thread t of rank r owns
+ * vectors (j * K + r) * G + t of every row, as in bwd_smem, but its shared
+ * memory is a ring of C = NV + P vector slots (x and dy each), not two
+ * stages of NV: the block's i-th row keeps vector j at ring position
+ * (i * NV + j) mod C. While a row is reduced, the first P vectors of the
+ * next row are already in flight in the P free slots; pass 2 refills each
+ * slot as soon as it has read it, with the rest of the next row (j < NV - P)
+ * or the first P vectors of the row after it. A thread only ever reads the
+ * slots it filled itself, so the ring needs no barrier. cp.async groups,
+ * committed in this order every row: "rest of the next row", then "head of
+ * the row after"; waiting for all but the newest group therefore completes
+ * the current row and leaves the head of the next one in flight. P = NV is
+ * double buffering; P = 0 stages exactly one row.
+ *
+ * Blocks have up to 512 threads, clusters of 32 elements a thread up to 256
+ * (at 512 the cluster reduction beside the 64 sums spills registers).
+ *
+ * SW (memory-efficient only): gamma, beta and rg of the thread's columns
+ * are staged once per block in shared memory after the ring (fp32, see
+ * Staged), so that rows do not re-read them from L2 (L1 is small once the
+ * ring takes most of shared memory).
+ */
+template <typename T, typename W, int NV, bool CLUSTER, bool SW>
+__global__ void __launch_bounds__(ring_max_threads(CLUSTER, NV * 16 / sizeof(T)), 1)
+    bwd_smem_ring(const Params p)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	constexpr int E = NV * VEC;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+	if constexpr (CLUSTER) { /* clusters are sm_90 only; the variant rules keep to that */
+		__trap();
+		return;
+	}
+#endif
+	extern __shared__ uint4 ring[]; /* [C positions][x, dy][G]; then SW weights */
+	__shared__ RedSmem sm;
+	const int t = threadIdx.x, G = blockDim.x, P = p.prefetch, C = NV + P;
+	const int K = CLUSTER ? p.K : 1;
+	const int rank = cluster_rank(K);
+	const int64_t first = blockIdx.x / K, stride = gridDim.x / K;
+	const bool sums = p.f & (F_DGAMMA | F_DBETA);
+	float4 *staged = reinterpret_cast<float4 *>(ring + (size_t)2 * C * G);
+	int vi[NV];
+	float ag[E], ab[E];
+	int parity = 0, base = 0; /* base: ring position of this row's vector 0 */
+
+#pragma unroll
+	for (int j = 0; j < NV; j++)
+		vi[j] = (j * K + rank) * G + t;
+#pragma unroll
+	for (int e = 0; e < E; e++) {
+		ag[e] = 0.0f;
+		ab[e] = 0.0f;
+	}
+	if (SW)
+		stage_weights<T, W, NV>(p, rank, staged);
+	/* Copies vector j of `row` into ring position pos (nothing past the row end). */
+	/* (j may be a run-time value here: v is computed, never an indexed register array.) */
+	auto issue = [&](int64_t row, int j, int pos) {
+		const int v = (j * K + rank) * G + t;
+		if (v >= p.nvec)
+			return;
+		const int64_t off = row * p.cols;
+		const uint4 *bx = reinterpret_cast<const uint4 *>(static_cast<const T *>(p.x) + off);
+		const uint4 *bd = reinterpret_cast<const uint4 *>(static_cast<const T *>(p.dy) + off);
+		cp_async16(ring + (size_t)(2 * pos) * G + t, bx + v);
+		cp_async16(ring + (size_t)(2 * pos + 1) * G + t, bd + v);
+	};
+	/* The first row whole, then the head of the second in positions NV.. NV + P - 1. */
+#pragma unroll
+	for (int j = 0; j < NV; j++)
+		issue(first, j, j);
+	cp_async_commit();
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		if (j < P && first + stride < p.rows)
+			issue(first + stride, j, NV + j);
+	}
+	cp_async_commit();
+	RowStats cst = load_stats(p, first, true);
+	for (int64_t row = first; row < p.rows; row += stride) {
+		const int64_t next = row + stride, after = next + stride;
+		const bool nvalid = next < p.rows, avalid = after < p.rows;
+		RowStats nst = load_stats(p, next, nvalid);
+		cp_async_wait<1>(); /* this row; the head of the next stays in flight */
+		float s[2] = {0.0f, 0.0f};
+#pragma unroll
+		for (int j = 0; j < NV; j++) {
+			if (vi[j] >= p.nvec)
+				continue;
+			const int pos = base + j < C ? base + j : base + j - C;
+			const Staged sw = {SW ? staged : nullptr, j * G + t, NV * G};
+			float xh[VEC], dy[VEC], gg[VEC];
+			vector_terms<T, W>(p, ring[(size_t)(2 * pos) * G + t],
+					   ring[(size_t)(2 * pos + 1) * G + t], vi[j] * VEC, true,
+					   cst, xh, dy, gg, sw);
+#pragma unroll
+			for (int i = 0; i < VEC; i++) {
+				s[0] += gg[i];
+				s[1] += gg[i] * xh[i];
+			}
+			if (sums) {
+#pragma unroll
+				for (int i = 0; i < VEC; i++) {
+					ag[j * VEC + i] += dy[i] * xh[i];
+					ab[j * VEC + i] += dy[i];
+				}
+			}
+		}
+		group_reduce<SumOp<2>>(s, G, K, sm, parity);
+		parity ^= 1;
+		const float m1 = (p.f & F_LN) ? s[0] * p.inv_cols : 0.0f, m2 = s[1] * p.inv_cols;
+		uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.dx) + row * p.cols);
+		Params q = p; /* the weights reloaded rather than kept */
+		q.gamma = launder(q.gamma);
+		q.beta = launder(q.beta);
+		if (P == NV)
+			cp_async_commit(); /* the rest of the next row is empty */
+#pragma unroll
+		for (int j = 0; j < NV; j++) {
+			const int pos = base + j < C ? base + j : base + j - C;
+			if (vi[j] < p.nvec) {
+				const Staged sw = {SW ? staged : nullptr, j * G + t, NV * G};
+				float xh[VEC], dy[VEC], gg[VEC], dx[VEC];
+				vector_terms<T, W>(q, ring[(size_t)(2 * pos) * G + t],
+						   ring[(size_t)(2 * pos + 1) * G + t], vi[j] * VEC,
+						   true, cst, xh, dy, gg, sw);
+#pragma unroll
+				for (int i = 0; i < VEC; i++)
+					dx[i] = cst.rstd * (gg[i] - m1 - xh[i] * m2);
+				__stcs(out + vi[j], pack<T>(dx));
+			}
+			/* The slot is read: refill it (position arithmetic in the comment above). */
+			if (j < NV - P) {
+				if (nvalid)
+					issue(next, P + j, pos);
+			} else if (avalid) {
+				issue(after, j - (NV - P), pos);
+			}
+			if (j == NV - P - 1)
+				cp_async_commit(); /* the rest of the next row */
+		}
+		cp_async_commit(); /* the head of the row after */
+		cst = nst;
+		base = base + NV < C ? base + NV : base + NV - C;
+	}
+	cp_async_wait<0>();
+	if (sums)
+		write_partials<NV, VEC>(p, first, vi, ag, ab);
+	cluster_done(K);
+}
+
+/* Launches a block_smem kernel on `units` row groups of s.K blocks. */
+template <auto kern>
+cudaError_t launch_staged(const Params &p, const struct nk_device_info *dev, const Shape &s,
+			  int64_t units, size_t smem, cudaStream_t stream)
+{
+	cudaError_t err = allow_smem<kern>(dev, smem);
+	if (err == cudaSuccess)
+		err = launch_kernel(kern, units * s.K, s.threads, s.K, stream, p, smem);
+	return err;
+}
+
+template <typename T, typename W, int NV>
+int run_smem_ring(const Params &p, const struct nk_device_info *dev, const Shape &s, bool sw,
+		  size_t smem, cudaStream_t stream)
+{
+	const int64_t units = p.rows < s.units_cap ? p.rows : s.units_cap;
+	cudaError_t err;
+	if (s.K == 1)
+		err = sw ? launch_staged<bwd_smem_ring<T, W, NV, false, true>>(p, dev, s, units,
+									      smem, stream)
+			 : launch_staged<bwd_smem_ring<T, W, NV, false, false>>(p, dev, s, units,
+									       smem, stream);
+	else
+		err = sw ? launch_staged<bwd_smem_ring<T, W, NV, true, true>>(p, dev, s, units,
+									     smem, stream)
+			 : launch_staged<bwd_smem_ring<T, W, NV, true, false>>(p, dev, s, units,
+									      smem, stream);
+	return err == cudaSuccess ? NK_OK : set_error(err, "block_smem ring backward launch");
+}
+
 } /* namespace */
 
 int launch_bwd_smem(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
@@ -567,6 +752,36 @@ int launch_bwd_smem(const struct nk_norm_args *a, const struct nk_device_info *d
 		return with_nv<SMEM_BWD_MAX_ELEMS, VEC>(s.NV, [&](auto nv) {
 			return run_smem<T, W, decltype(nv)::value>(p, dev, s, smem, stream);
 		});
+	});
+}
+
+int launch_bwd_smem_ring(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			 const Shape &s, float *part, const float *rg, cudaStream_t stream)
+{
+	Params p = params_of(a);
+	p.rg = rg;
+	p.G = s.threads;
+	p.K = s.K;
+	p.R = 1;
+	p.iters = a->rows;
+	p.part = part;
+	p.part_rows = partial_rows(a, s);
+	p.prefetch = s.prefetch;
+	const bool sw = s.staged_weights && (p.f & F_MEMEFF);
+	const size_t smem = smem_stage_bytes(a, s);
+	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
+		using T = decltype(tt);
+		using W = decltype(wt);
+		constexpr int VEC = 16 / sizeof(T);
+		p.nvec = (int)(a->cols / VEC);
+		/* Instantiated for 16 and 32 elements a thread only (the variant rules keep to that). */
+		if (s.NV * VEC == SMEM_BWD_MAX_ELEMS)
+			return run_smem_ring<T, W, SMEM_BWD_MAX_ELEMS / VEC>(p, dev, s, sw, smem,
+									     stream);
+		if (s.NV * VEC == SMEM_BWD_MAX_ELEMS / 2)
+			return run_smem_ring<T, W, SMEM_BWD_MAX_ELEMS / 2 / VEC>(p, dev, s, sw, smem,
+										 stream);
+		return (int)NK_EUNSUPPORTED;
 	});
 }
 

@@ -70,6 +70,7 @@ struct Params {
 	int K;	  /* blocks sharing a row: a cluster, or (F_PRESUMS) column slices */
 	int R;	  /* rows a block holds at a time */
 	int nvec; /* 16-byte vectors per row (tiled family) */
+	int prefetch; /* block_smem ring backward: next-row vectors a thread stages early */
 };
 
 /* Decoded launch shape of a variant. */
@@ -82,13 +83,26 @@ struct Shape {
 	int K;	       /* blocks sharing a row */
 	bool split;    /* backward: K column slices after a row-sums kernel, no cluster */
 	int units_cap; /* backward: most row groups (clusters) in the grid */
+	bool ring;     /* block_smem backward: one row staged, `prefetch` of the next */
+	int prefetch;  /* ring: vectors a thread of the next row staged ahead (<= NV) */
+	bool staged_weights; /* ring, memory-efficient: gamma, beta, rg in shared memory */
 };
 
-/* The variant param word: NV | K << 8 | units_cap << 16 | split << 31. */
+/*
+ * The variant param word: NV | K << 8 | units_cap << 16 | split << 31. In
+ * the block_smem family (never split) bit 31 marks the ring backward
+ * instead: its NV (at most 8) takes bits 0-6, bit 7 says "weights staged",
+ * K (at most 8) bits 8-11 and the prefetch depth bits 12-15.
+ */
 constexpr int MAX_UNITS_CAP = 0x7fff;
 static inline uint32_t shape_param(int nv, int k, int cap, bool split)
 {
 	return (uint32_t)nv | (uint32_t)k << 8 | (uint32_t)cap << 16 | (uint32_t)split << 31;
+}
+static inline uint32_t ring_param(int nv, int k, int prefetch, bool staged_weights, int cap)
+{
+	return (uint32_t)nv | (uint32_t)staged_weights << 7 | (uint32_t)k << 8 |
+	       (uint32_t)prefetch << 12 | (uint32_t)cap << 16 | 1u << 31;
 }
 
 Shape shape_of(const struct nk_variant *v);
@@ -115,6 +129,9 @@ int launch_fwd_smem(const struct nk_norm_args *a, const struct nk_device_info *d
 		    cudaStream_t stream);
 int launch_bwd_smem(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
 		    float *part, const float *rg, cudaStream_t stream);
+/* Ring backward (Shape::ring): one row staged, part of the next in flight. */
+int launch_bwd_smem_ring(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			 const Shape &s, float *part, const float *rg, cudaStream_t stream);
 /* Dynamic shared memory of a block_smem variant (its slice of the row, two stages). */
 size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s);
 /* Memory-efficient backward: rg[c] = 1 / clamp(gamma[c]), before the kernel. */
@@ -544,6 +561,11 @@ constexpr int SMEM_FWD_MAX_THREADS = 1024;
 /* Threads per block of the tiled kernels, at most; backward on sm_80. */
 constexpr int MAX_THREADS = 512;
 constexpr int BWD_MAX_THREADS_SM80 = 256;
+/* Threads per block of the ring backward (bwd_smem_ring), at most. */
+constexpr int ring_max_threads(bool cluster, int elems)
+{
+	return cluster && elems > SMEM_BWD_MAX_ELEMS / 2 ? SMEM_CLUSTER_MAX_THREADS : MAX_THREADS;
+}
 
 } /* namespace nkc */
 

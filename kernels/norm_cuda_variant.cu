@@ -72,6 +72,17 @@ Shape shape_of(const struct nk_variant *v)
 	s.K = (int)((v->param >> 8) & 0xff);
 	s.units_cap = (int)((v->param >> 16) & MAX_UNITS_CAP);
 	s.split = (v->param >> 31) != 0;
+	s.ring = false;
+	s.prefetch = 0;
+	s.staged_weights = false;
+	if (s.family == NK_FAMILY_BLOCK_SMEM && s.split) { /* see ring_param */
+		s.split = false;
+		s.ring = true;
+		s.NV = (int)(v->param & 0x7f);
+		s.staged_weights = (v->param & 0x80) != 0;
+		s.K = (int)((v->param >> 8) & 0xf);
+		s.prefetch = (int)((v->param >> 12) & 0xf);
+	}
 	return s;
 }
 
@@ -226,7 +237,13 @@ size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s)
 	/* Two stages: the row of x (forward), or a block's slots of x or y and dy. */
 	if (!is_bwd(a))
 		return (size_t)2 * (size_t)a->cols * nk_dtype_size(a->dtype);
-	return (size_t)2 * 2 * 16 * (size_t)s.NV * (size_t)s.threads;
+	if (!s.ring)
+		return (size_t)2 * 2 * 16 * (size_t)s.NV * (size_t)s.threads;
+	/* Ring: NV + prefetch slots of x and dy; staged weights: three fp32 planes. */
+	size_t bytes = (size_t)2 * 16 * (size_t)(s.NV + s.prefetch) * (size_t)s.threads;
+	if (s.staged_weights && (a->flags & NK_MEMORY_EFFICIENT))
+		bytes += (size_t)3 * sizeof(float) * (size_t)(s.NV * vec_of(a)) * (size_t)s.threads;
+	return bytes;
 }
 
 /* Whether a block_smem launch of `threads` threads fits the device's shared memory. */
@@ -293,9 +310,75 @@ static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_in
 	return true;
 }
 
+/*
+ * A ring backward variant (bwd_smem_ring): `nv` vectors a thread (16 or 32
+ * elements), K blocks a row (a cluster, sm_90), blocks of up to 512
+ * threads, the ring `prefetch` vectors deep beyond one row (-1: the most
+ * that fit the device's opt-in shared memory, at most nv), weights staged
+ * in shared memory if `staged` (memory-efficient jobs only). False if none
+ * fits the job.
+ */
+static bool ring_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int nv,
+			 int K, int prefetch, bool staged, struct nk_variant *v)
+{
+	const int vec = vec_of(a);
+	const int64_t nvec = a->cols / vec;
+
+	if (!is_bwd(a) || !tiled_layout_ok(a) || nv < 1 ||
+	    (nv * vec != SMEM_BWD_MAX_ELEMS && nv * vec != SMEM_BWD_MAX_ELEMS / 2))
+		return false;
+	if ((K > 1 && dev->cc_major < 9) || (staged && !(a->flags & NK_MEMORY_EFFICIENT)))
+		return false;
+	int64_t threads = (nvec + (int64_t)nv * K - 1) / ((int64_t)nv * K);
+	threads = (threads + 31) / 32 * 32;
+	if (threads > ring_max_threads(K > 1, nv * vec) || threads < 64)
+		return false;
+	memset(v, 0, sizeof(*v));
+	v->family = NK_FAMILY_BLOCK_SMEM;
+	v->threads = (uint16_t)threads;
+	v->rows_per_block = 1;
+	v->vec_elems = (uint16_t)vec;
+	for (int pf = prefetch < 0 ? nv : prefetch; pf >= 0; pf--) {
+		v->param = ring_param(nv, K, pf, staged, 0);
+		Shape s = shape_of(v);
+		if (smem_fits(a, dev, s)) {
+			v->param = ring_param(nv, K, pf, staged, smem_units_cap(a, s));
+			return true;
+		}
+		if (prefetch >= 0)
+			break;
+	}
+	return false;
+}
+
+static bool ring_variant_fits(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			      const struct nk_variant *v, const Shape &s)
+{
+	const int vec = vec_of(a);
+	const int64_t nvec = a->cols / vec;
+
+	if (!is_bwd(a) || !tiled_layout_ok(a) || v->vec_elems != vec || s.R != 1)
+		return false;
+	if (s.K < 1 || s.K > MAX_CLUSTER || (s.K & (s.K - 1)) != 0 ||
+	    (s.K > 1 && dev->cc_major < 9))
+		return false;
+	if (s.NV * vec != SMEM_BWD_MAX_ELEMS && s.NV * vec != SMEM_BWD_MAX_ELEMS / 2)
+		return false;
+	if (s.threads < 64 || s.threads > ring_max_threads(s.K > 1, s.NV * vec) ||
+	    s.threads % 32 != 0)
+		return false;
+	if (s.prefetch > s.NV || s.units_cap < 1)
+		return false;
+	if (s.staged_weights && !(a->flags & NK_MEMORY_EFFICIENT))
+		return false;
+	return (int64_t)s.threads * s.NV * s.K >= nvec && smem_fits(a, dev, s);
+}
+
 static bool smem_variant_fits(const struct nk_norm_args *a, const struct nk_device_info *dev,
 			      const struct nk_variant *v, const Shape &s)
 {
+	if (s.ring)
+		return ring_variant_fits(a, dev, v, s);
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
 	const int tmax = is_bwd(a) ? MAX_THREADS : SMEM_FWD_MAX_THREADS;
@@ -443,7 +526,8 @@ static int dispatch(const struct nk_norm_args *a, const struct nk_device_info *d
 			if (rc != NK_OK)
 				return rc;
 		}
-		rc = launch_bwd_smem(a, dev, s, part, rg, stream);
+		rc = s.ring ? launch_bwd_smem_ring(a, dev, s, part, rg, stream)
+			    : launch_bwd_smem(a, dev, s, part, rg, stream);
 	} else {
 		char *ws = static_cast<char *>(exec->workspace);
 		float *rg = NULL, *sums = NULL;
@@ -563,6 +647,38 @@ int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_dev
 	return NK_OK;
 }
 
+/*
+ * Appends up to four ring backward shapes (bwd_smem_ring) to out[0..n),
+ * for rows of more than 1024 vectors (bf16 12288, fp32 8192 and wider):
+ * 32, then 16 elements a thread, on 1, 2, 4, 8 blocks a row, each with the
+ * deepest prefetch that fits. A shape is kept where it differs from the
+ * double-buffered block_smem ones (a shallower ring: the row does not fit
+ * twice; or a cluster of more than 256 threads), and for memory-efficient
+ * jobs also with its weights staged. Returns the new count.
+ */
+static int add_ring_candidates(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			       struct nk_variant *out, int n, int max)
+{
+	struct nk_variant v;
+	int added = 0;
+
+	if (!is_bwd(a) || a->cols / vec_of(a) <= 1024)
+		return n;
+	for (int k = 0; k < 16 && added < 4 && n < max; k++) {
+		const int elems = k < 8 ? SMEM_BWD_MAX_ELEMS : SMEM_BWD_MAX_ELEMS / 2;
+		const int nv = elems / vec_of(a), K = 1 << (k % 8 / 2);
+		const bool staged = k % 2 == 1;
+		if (!ring_variant(a, dev, nv, K, -1, staged, &v) || v.threads < 128)
+			continue;
+		const Shape s = shape_of(&v);
+		if (!staged && s.prefetch == nv && (K == 1 || v.threads <= SMEM_CLUSTER_MAX_THREADS))
+			continue;
+		out[n++] = v;
+		added++;
+	}
+	return n;
+}
+
 int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_device_info *dev,
 			       struct nk_variant *out, int max)
 {
@@ -602,6 +718,7 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 		if (!seen)
 			out[n++] = v;
 	}
+	n = add_ring_candidates(args, dev, out, n, max);
 	for (int nv = max_nv(args); nv >= 1 && n < max; nv /= 2) {
 		for (int k = 0; k < 12 && n < max; k++) {
 			int wt = 128 << (k % 3), bm = k % 6 < 3 ? MAX_THREADS : 256;
@@ -655,6 +772,9 @@ void nk_variant_name(const struct nk_variant *variant, char *buf, size_t len)
 			 (unsigned)variant->rows_per_block, (unsigned)variant->vec_elems, s.NV);
 	if (n > 0 && (size_t)n < len && s.K > 1)
 		n += snprintf(buf + n, len - (size_t)n, s.split ? "/s%d" : "/c%d", s.K);
+	if (n > 0 && (size_t)n < len && s.ring)
+		n += snprintf(buf + n, len - (size_t)n, "/st1pf%d%s", s.prefetch,
+			      s.staged_weights ? "/sw" : "");
 	if (n > 0 && (size_t)n < len && s.units_cap > 0)
 		snprintf(buf + n, len - (size_t)n, "/p%d", s.units_cap);
 }

@@ -213,7 +213,9 @@ struct nk_variant {
 	uint32_t param;          /* family-specific; the CUDA backend packs
 				    vectors a thread (bits 0-7), blocks sharing
 				    a row (8-15), the backward grid cap (16-30)
-				    and "split rows" (31), see norm_cuda_variant.cu */
+				    and "split rows" (31; in block_smem the ring
+				    backward, which repacks bits 0-15), see
+				    norm_cuda_internal.cuh */
 	uint32_t reserved;       /* zero */
 };
 

@@ -4,8 +4,9 @@
  *
  * Every op x (dtype, weight dtype) x flag combination runs on seeded random
  * data over cols = 1, 7, 32, 33, 127, 1000, 4096, 8192, 12288, 32768, 65536
- * and past 65536, with odd row counts (and 265 rows at 12288 and 32768, more
- * than one row a block for the block_smem family), under the default variant and every
+ * and past 65536, with odd row counts (and 265 rows at 12288, 16384 and
+ * 32768, 67 backward rows at 32768: more than one row a block for the
+ * block_smem family and its ring backward), under the default variant and every
  * candidate of nk_cuda_variant_candidates. Outputs, guard elements behind
  * them and the workspace are poisoned (all bits set: NaN in every dtype)
  * before each run, so an unwritten element fails and a stray write is
@@ -691,6 +692,15 @@ int main(void)
 	run_op(NK_RMSNORM_BWD, rms_bwd, 4, 265, 12288, 0);
 	run_op(NK_LAYERNORM_FWD, ln_fwd, 4, 265, 32768, 0);
 	run_op(NK_RMSNORM_FWD, rms_fwd, 2, 265, 32768, 0);
+	/*
+	 * The ring backward (block_smem .../st1pf*): more rows than its grid
+	 * caps (132 row groups at fp32 16384 on one block, 33 clusters of 4 at
+	 * 32768), so that the ring wraps and the next rows' copies overlap.
+	 */
+	run_op(NK_LAYERNORM_BWD, ln_bwd, 7, 265, 16384, 0);
+	run_op(NK_RMSNORM_BWD, rms_bwd, 4, 265, 16384, 0);
+	run_op(NK_LAYERNORM_BWD, ln_bwd, 7, 67, 32768, 0);
+	run_op(NK_RMSNORM_BWD, rms_bwd, 4, 67, 32768, 0);
 	run_nan_cases();
 	run_fallback_case();
 
