@@ -388,22 +388,21 @@ static int worker_wait_client(struct cuda_worker *w, struct job *job)
 	 * switch between the two contexts (hundreds of microseconds).
 	 */
 	cudaError_t state;
+	int rc = 0;
 	uint64_t until = server_now_ns() + EVENT_GRACE_NS;
 	while ((state = cudaEventQuery(event)) == cudaErrorNotReady && server_now_ns() < until)
-		;
-	if (state == cudaSuccess)
-		return 0;
-	if (state != cudaErrorNotReady) {
-		cudaGetLastError();
-		worker_fail(job, NC_EINVALID_ARGUMENT, "%s", "wait_event: cannot query the event");
-		return job->status;
-	}
-	if (cudaStreamWaitEvent(w->stream, event, 0) != cudaSuccess) {
+		sched_yield();
+	if (state == cudaErrorNotReady && cudaStreamWaitEvent(w->stream, event, 0) != cudaSuccess) {
 		cudaGetLastError();
 		worker_fail(job, NC_EDEVICE_ERROR, "%s", "cudaStreamWaitEvent on wait_event failed");
-		return job->status;
+		rc = job->status;
+	} else if (state != cudaSuccess && state != cudaErrorNotReady) {
+		cudaGetLastError();
+		worker_fail(job, NC_EINVALID_ARGUMENT, "%s", "wait_event: cannot query the event");
+		rc = job->status;
 	}
-	return 0;
+	nk_ipc_event_release(&w->dev->opened, event); /* a queued wait needs it no longer */
+	return rc;
 }
 
 /*
@@ -421,7 +420,7 @@ static void worker_early_reply(struct cuda_worker *w, struct job *job)
 	uint64_t until = server_now_ns() + EVENT_GRACE_NS;
 	cudaError_t state;
 	while ((state = cudaStreamQuery(w->stream)) == cudaErrorNotReady && server_now_ns() < until)
-		;
+		sched_yield();
 	if (state != cudaErrorNotReady)
 		return; /* done (or failed): answered as usual after worker_sync */
 	if (w->done_count < DONE_EVENTS) {

@@ -48,8 +48,9 @@ static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__H
 static void register_finish(struct client *c, uint64_t request_id, uint64_t region_id, int rc,
 			    struct region *region, char *why)
 {
-	if (rc == 0 && c->closing) {
-		region_unref(region); /* the client left while its memory was mapped */
+	if (c->closing) {
+		if (rc == 0)
+			region_unref(region); /* the client left while its memory was mapped */
 		return;
 	}
 	if (rc == 0) {
@@ -108,6 +109,8 @@ static void register_work_done(uv_work_t *req, int status)
 	register_finish(c, w->request_id, w->msg.region_id, w->rc, w->region, w->why);
 	nc__free(w);
 	client_resume(c);
+	if (c->srv->draining)
+		server_drain_check(c->srv); /* it may have waited for this registration */
 }
 
 static void register_off_loop(struct client *c, uint64_t request_id,

@@ -297,8 +297,8 @@ void server_drain_check(struct server *srv)
 	if (!srv->draining || srv->stopped || srv->jobs_in_flight > 0)
 		return;
 	for (struct client *c = srv->clients; c; c = c->next) {
-		if (!c->closing && c->out_head)
-			return; /* replies still on their way */
+		if (!c->closing && (c->out_head || c->mapping))
+			return; /* replies still on their way, or a registration */
 	}
 	log_info("event=drained");
 	server_shutdown(srv);

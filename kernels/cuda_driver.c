@@ -7,6 +7,7 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,12 +116,28 @@ void nk_ipc_event_cache_destroy(struct nk_ipc_event_cache *cache)
 	cache->entries = NULL;
 }
 
+/* A slot for a new entry: a free one, else the next unheld one; -1 if all are held. */
+static int event_cache_slot(struct nk_ipc_event_cache *cache)
+{
+	if (cache->count < cache->capacity)
+		return (int)cache->count++;
+	for (unsigned tries = 0; tries < cache->capacity; tries++) {
+		unsigned slot = cache->next++ % cache->capacity;
+		if (cache->entries[slot].users == 0) {
+			cudaEventDestroy((cudaEvent_t)cache->entries[slot].event);
+			return (int)slot;
+		}
+	}
+	return -1;
+}
+
 void *nk_ipc_event_open(struct nk_ipc_event_cache *cache, const uint8_t handle[64])
 {
 	cudaEvent_t event = NULL;
 	pthread_mutex_lock(&cache->lock);
 	for (unsigned i = 0; i < cache->count; i++) {
 		if (!memcmp(cache->entries[i].handle, handle, 64)) {
+			cache->entries[i].users++;
 			event = (cudaEvent_t)cache->entries[i].event;
 			goto out;
 		}
@@ -132,13 +149,30 @@ void *nk_ipc_event_open(struct nk_ipc_event_cache *cache, const uint8_t handle[6
 		event = NULL;
 		goto out;
 	}
-	unsigned slot = cache->count < cache->capacity ? cache->count++
-						       : cache->next++ % cache->capacity;
-	if (cache->entries[slot].event)
-		cudaEventDestroy((cudaEvent_t)cache->entries[slot].event);
-	memcpy(cache->entries[slot].handle, handle, 64);
-	cache->entries[slot].event = event;
+	int slot = event_cache_slot(cache);
+	if (slot >= 0) {
+		memcpy(cache->entries[slot].handle, handle, 64);
+		cache->entries[slot].event = event;
+		cache->entries[slot].users = 1;
+	}
 out:
 	pthread_mutex_unlock(&cache->lock);
 	return event;
+}
+
+void nk_ipc_event_release(struct nk_ipc_event_cache *cache, void *event)
+{
+	if (!event)
+		return;
+	pthread_mutex_lock(&cache->lock);
+	bool cached = false;
+	for (unsigned i = 0; i < cache->count && !cached; i++) {
+		if (cache->entries[i].event == event) {
+			cache->entries[i].users--;
+			cached = true;
+		}
+	}
+	pthread_mutex_unlock(&cache->lock);
+	if (!cached)
+		cudaEventDestroy((cudaEvent_t)event); /* opened while every entry was held */
 }

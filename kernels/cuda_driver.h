@@ -33,15 +33,19 @@ int nk_cuda_allocation_size(const void *base, uint64_t *size, const char **why);
 
 /*
  * CUDA IPC events opened from their 64-byte handles, each once, kept up to
- * `capacity` (the oldest destroyed first). Used by the daemon for clients'
- * wait events and by the library for the daemon's done events. Thread-safe.
+ * `capacity`. Used by the daemon for clients' wait events and by the library
+ * for the daemon's done events. Thread-safe: an event handed out by
+ * nk_ipc_event_open() stays valid until its nk_ipc_event_release(); a full
+ * cache evicts, round robin, only entries nobody holds (when every entry is
+ * held, the event is opened uncached and destroyed on release).
  */
 struct nk_ipc_event_cache {
 	pthread_mutex_t lock;
 	unsigned capacity, count, next;
 	struct nk_ipc_event_entry {
 		uint8_t handle[64];
-		void *event; /* cudaEvent_t */
+		void *event;    /* cudaEvent_t */
+		unsigned users; /* opened and not yet released */
 	} *entries;
 };
 
@@ -49,5 +53,7 @@ int nk_ipc_event_cache_init(struct nk_ipc_event_cache *cache, unsigned capacity)
 void nk_ipc_event_cache_destroy(struct nk_ipc_event_cache *cache);
 /* The event (a cudaEvent_t) for these handle bytes, opened on first use; NULL on failure. */
 void *nk_ipc_event_open(struct nk_ipc_event_cache *cache, const uint8_t handle[64]);
+/* Done with an event nk_ipc_event_open() returned (NULL: nothing to do). */
+void nk_ipc_event_release(struct nk_ipc_event_cache *cache, void *event);
 
 #endif /* NORMD_CUDA_DRIVER_H */

@@ -294,7 +294,11 @@ NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *strea
 	int rc = 0;
 	uint64_t id = 0;
 	uint8_t done[64];
-	cudaError_t idle = cudaStreamQuery((cudaStream_t)stream);
+	/*
+	 * The legacy default stream (NULL) also orders work of other blocking
+	 * streams that a query of it may not see: it always gets the event.
+	 */
+	cudaError_t idle = stream ? cudaStreamQuery((cudaStream_t)stream) : cudaErrorNotReady;
 	if (idle != cudaSuccess && idle != cudaErrorNotReady) {
 		cudaGetLastError();
 		rc = nc__fail(NC_EINVALID_ARGUMENT, "cudaStreamQuery on the caller's stream failed");
@@ -325,14 +329,14 @@ NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *strea
 	 */
 	cudaEvent_t done_event = nk_ipc_event_open(&ev->done, done);
 	cudaError_t state = done_event ? cudaEventQuery(done_event) : cudaErrorInvalidValue;
-	if (state == cudaSuccess)
-		return 0;
-	if (state != cudaErrorNotReady ||
-	    cudaStreamWaitEvent((cudaStream_t)stream, done_event, 0) != cudaSuccess) {
+	if (state != cudaSuccess &&
+	    (state != cudaErrorNotReady ||
+	     cudaStreamWaitEvent((cudaStream_t)stream, done_event, 0) != cudaSuccess)) {
 		cudaGetLastError();
 		rc = nc__fail(NC_EDEVICE_ERROR, "cannot wait on the daemon's done event");
 		result->status = rc;
 		snprintf(result->message, sizeof(result->message), "%s", nc_last_error());
 	}
+	nk_ipc_event_release(&ev->done, done_event); /* a queued wait needs it no longer */
 	return rc;
 }

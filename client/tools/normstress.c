@@ -952,7 +952,9 @@ static void worker_submit(struct worker *w, struct flight *f)
 	if (!events)
 		return;
 	if (rc != NC_OK) {
-		worker_complete(w, f, rc, &res); /* refused: nothing was queued */
+		/* Refused, or queued but its done event unusable: then stop using kits. */
+		worker_complete(w, f, rc, &res);
+		w->broken = rc == NC_EDEVICE_ERROR;
 		return;
 	}
 	if (cudaEventRecord(f->done, f->stream) != cudaSuccess) {
@@ -1161,6 +1163,7 @@ static void *worker_main(void *arg)
 		worker_unexpected(w, rc);
 		worker_say(w, "connect: %s", nc_last_error());
 		w->broken = true;
+		atomic_fetch_add(&w->sh->ready, 1); /* nothing to wait for here */
 		return NULL;
 	}
 	w->n_kits = o->inflight + 2 < 6 ? 6 : o->inflight + 2;
@@ -1492,8 +1495,8 @@ static void parent_start_clock(struct stress *st, uint64_t now)
 		return;
 	unsigned threads = st->opt.procs * st->opt.threads;
 	if (atomic_load(&st->sh->ready) < threads && now < st->t_launch_ns + START_TIMEOUT_NS &&
-	    !interrupted)
-		return;
+	    !interrupted && st->child_failures == 0)
+		return; /* (a client that died setting up will never be ready) */
 	st->going = true;
 	st->t_start_ns = st->last_progress_ns = now;
 	atomic_store(&st->sh->go, true);
