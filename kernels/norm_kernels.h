@@ -189,8 +189,9 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
  * it when a variant's meaning or a default changes, so that choices a
  * daemon persisted for older kernels are dropped instead of kept forever.
  * 2: block_smem for rows too wide for registers (2026-11-22).
+ * 3: block_smem ring candidates for the widest backward rows (2026-11-22).
  */
-#define NK_VARIANT_SET 2
+#define NK_VARIANT_SET 3
 
 /* Which kernel family a variant runs. */
 enum nk_variant_family {
