@@ -595,17 +595,29 @@ static bool fwd_prefers_smem(const struct nk_norm_args *a, const struct nk_varia
 }
 
 /*
- * Whether an fp32 backward row that one block holds in registers runs better
- * staged: at 512 threads (4096 columns) the tiled block reached 83% of copy
- * bandwidth on the H100 and block_smem 94-95%, memory-efficient included
- * (BENCHMARKS.md, 2026-11-22). bf16 at the same block shape (8192 columns)
- * keeps the tiled kernel, which measured as fast as block_smem there.
+ * The fp32 backward defaults measured on the H100 (BENCHMARKS.md,
+ * 2026-11-22), where block_smem beat the rows held in registers:
+ *  - 513..4096 columns (128 < vectors <= 1024): block_smem with one vector
+ *    a thread up to 256 vectors, else two (256 threads at 1024 and 2048
+ *    columns, 512 at 4096): 92-94% of copy bandwidth against 83-86% tiled,
+ *    memory-efficient included; one vector a thread at 2048 (512 threads)
+ *    measured 84%;
+ *  - memory-efficient at 4097..8192 columns: the ring kernel with its
+ *    weights staged in shared memory, 512 threads (96% against 84-90%).
+ * bf16 keeps the tiled kernel up to 8192 columns (as fast as block_smem).
+ * False where the rule does not apply or its variant does not fit.
  */
-static bool bwd_prefers_smem(const struct nk_norm_args *a, const struct nk_variant *tiled)
+static bool fp32_bwd_default(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			     struct nk_variant *v)
 {
-	const Shape s = shape_of(tiled);
-	return is_bwd(a) && vec_of(a) == 4 && s.family == NK_FAMILY_BLOCK_ROW && s.R == 1 &&
-	       s.K == 1 && s.threads >= 512;
+	const int64_t nvec = a->cols / vec_of(a);
+	if (!is_bwd(a) || vec_of(a) != 4 || !tiled_layout_ok(a) || nvec <= 128)
+		return false;
+	if (nvec <= 1024)
+		return smem_variant(a, dev, nvec <= 256 ? 1 : 2, 1, MAX_THREADS, v);
+	if (nvec <= 2048 && (a->flags & NK_MEMORY_EFFICIENT))
+		return ring_variant(a, dev, 4, 1, -1, true, v);
+	return false;
 }
 
 int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_device_info *dev,
@@ -614,13 +626,8 @@ int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_dev
 	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
 		return NK_EINVAL;
 	int nv = max_nv(args);
-	if (tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) &&
-	    bwd_prefers_smem(args, out)) {
-		struct nk_variant v;
-		if (smem_default(args, dev, &v))
-			*out = v;
+	if (fp32_bwd_default(args, dev, out))
 		return NK_OK;
-	}
 	if (tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) &&
 	    fwd_prefers_smem(args, out)) {
 		struct nk_variant v;
