@@ -133,6 +133,29 @@ __device__ __forceinline__ void stage_weights(const Params &p, int rank, float4 
 	__syncthreads();
 }
 
+/* Adds one vector's terms to the row sums: s[0] += sum(g), s[1] += sum(g * xh). */
+template <int VEC>
+__device__ __forceinline__ void add_row_sums(const float *xh, const float *g, float *s)
+{
+#pragma unroll
+	for (int i = 0; i < VEC; i++) {
+		s[0] += g[i];
+		s[1] += g[i] * xh[i];
+	}
+}
+
+/* Adds one vector's terms to the thread's dgamma (dy * xh) and dbeta (dy) partials. */
+template <int VEC>
+__device__ __forceinline__ void add_weight_grads(const float *xh, const float *dy, float *ag,
+						 float *ab)
+{
+#pragma unroll
+	for (int i = 0; i < VEC; i++) {
+		ag[i] += dy[i] * xh[i];
+		ab[i] += dy[i];
+	}
+}
+
 /*
  * xh and g = dy * gamma of one vector. Vectors past the row end come in as
  * zeros and leave zeros (g = 0), so they add nothing to any sum.
@@ -269,17 +292,9 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 			const Staged sw = {SW ? staged : nullptr, j * p.G + t, NV * p.G};
 			vector_terms<T, W>(p, cx[j], cd[j], vi[j] * VEC, vi[j] < p.nvec, cst, xh,
 					   dy, gg, sw);
-#pragma unroll
-			for (int i = 0; i < VEC; i++) {
-				s[0] += gg[i];
-				s[1] += gg[i] * xh[i];
-			}
+			add_row_sums<VEC>(xh, gg, s);
 			if (sums && valid && !presums) {
-#pragma unroll
-				for (int i = 0; i < VEC; i++) {
-					ag[j * VEC + i] += dy[i] * xh[i];
-					ab[j * VEC + i] += dy[i];
-				}
+				add_weight_grads<VEC>(xh, dy, ag + j * VEC, ab + j * VEC);
 			}
 		}
 		if (presums) {
@@ -306,11 +321,7 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 			for (int i = 0; i < VEC; i++)
 				dx[i] = cst.rstd * (gg[i] - m1 - xh[i] * m2);
 			if (sums && presums) {
-#pragma unroll
-				for (int i = 0; i < VEC; i++) {
-					ag[j * VEC + i] += dy[i] * xh[i];
-					ab[j * VEC + i] += dy[i];
-				}
+				add_weight_grads<VEC>(xh, dy, ag + j * VEC, ab + j * VEC);
 			}
 			__stcs(out + vi[j], pack<T>(dx));
 		}
@@ -356,11 +367,7 @@ __global__ void __launch_bounds__(MAX_THREADS) bwd_row_sums(const Params p)
 				float xh[VEC], d[VEC], gg[VEC];
 				vector_terms<T, W>(p, x[j], dy[j], vi[j] * VEC, vi[j] < p.nvec, st,
 						   xh, d, gg);
-#pragma unroll
-				for (int i = 0; i < VEC; i++) {
-					s[0] += gg[i];
-					s[1] += gg[i] * xh[i];
-				}
+				add_row_sums<VEC>(xh, gg, s);
 			}
 		}
 		group_reduce<SumOp<2>>(s, G, 1, sm, parity);
@@ -485,17 +492,9 @@ __global__ void __launch_bounds__(CLUSTER ? SMEM_CLUSTER_MAX_THREADS : MAX_THREA
 			float xh[VEC], dy[VEC], gg[VEC];
 			vector_terms<T, W>(p, cx[j * G + t], cd[j * G + t], vi[j] * VEC, true, cst,
 					   xh, dy, gg);
-#pragma unroll
-			for (int i = 0; i < VEC; i++) {
-				s[0] += gg[i];
-				s[1] += gg[i] * xh[i];
-			}
+			add_row_sums<VEC>(xh, gg, s);
 			if (sums) {
-#pragma unroll
-				for (int i = 0; i < VEC; i++) {
-					ag[j * VEC + i] += dy[i] * xh[i];
-					ab[j * VEC + i] += dy[i];
-				}
+				add_weight_grads<VEC>(xh, dy, ag + j * VEC, ab + j * VEC);
 			}
 		}
 		group_reduce<SumOp<2>>(s, G, K, sm, parity);
@@ -644,17 +643,9 @@ __global__ void __launch_bounds__(ring_max_threads(CLUSTER, NV * 16 / sizeof(T))
 			vector_terms<T, W>(p, ring[(size_t)(2 * pos) * G + t],
 					   ring[(size_t)(2 * pos + 1) * G + t], vi[j] * VEC, true,
 					   cst, xh, dy, gg, sw);
-#pragma unroll
-			for (int i = 0; i < VEC; i++) {
-				s[0] += gg[i];
-				s[1] += gg[i] * xh[i];
-			}
+			add_row_sums<VEC>(xh, gg, s);
 			if (sums) {
-#pragma unroll
-				for (int i = 0; i < VEC; i++) {
-					ag[j * VEC + i] += dy[i] * xh[i];
-					ab[j * VEC + i] += dy[i];
-				}
+				add_weight_grads<VEC>(xh, dy, ag + j * VEC, ab + j * VEC);
 			}
 		}
 		group_reduce<SumOp<2>>(s, G, K, sm, parity);
