@@ -275,6 +275,25 @@ static int smem_units_cap(const struct nk_norm_args *a, const Shape &s)
 }
 
 /*
+ * The threads a block_smem row of `a` needs with `nv` vectors a thread on K
+ * blocks (whole warps), and the variant fields that do not depend on the
+ * kernel (the caller sets param). Returns the thread count.
+ */
+static int64_t smem_fill(const struct nk_norm_args *a, int nv, int K, struct nk_variant *v)
+{
+	const int vec = vec_of(a);
+	const int64_t nvec = a->cols / vec;
+	int64_t threads = (nvec + (int64_t)nv * K - 1) / ((int64_t)nv * K);
+	threads = (threads + 31) / 32 * 32;
+	memset(v, 0, sizeof(*v));
+	v->family = NK_FAMILY_BLOCK_SMEM;
+	v->threads = (uint16_t)(threads < 65535 ? threads : 65535);
+	v->rows_per_block = 1;
+	v->vec_elems = (uint16_t)vec;
+	return threads;
+}
+
+/*
  * A block_smem variant: a block of up to `block_max` threads a row, `nv`
  * vectors a thread (backward: at most SMEM_BWD_MAX_ELEMS elements, whose
  * dgamma/dbeta sums stay in registers). False if none fits the job.
@@ -283,7 +302,6 @@ static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_in
 			 int K, int block_max, struct nk_variant *v)
 {
 	const int vec = vec_of(a);
-	const int64_t nvec = a->cols / vec;
 	const int tmax = is_bwd(a) ? MAX_THREADS : SMEM_FWD_MAX_THREADS;
 
 	if (!tiled_layout_ok(a) || nv < 1 || (is_bwd(a) && nv * vec > SMEM_BWD_MAX_ELEMS))
@@ -292,15 +310,9 @@ static bool smem_variant(const struct nk_norm_args *a, const struct nk_device_in
 		return false;
 	if (block_max > (K > 1 ? SMEM_CLUSTER_MAX_THREADS : tmax))
 		block_max = K > 1 ? SMEM_CLUSTER_MAX_THREADS : tmax;
-	int64_t threads = (nvec + (int64_t)nv * K - 1) / ((int64_t)nv * K);
-	threads = (threads + 31) / 32 * 32;
+	const int64_t threads = smem_fill(a, nv, K, v);
 	if (threads > block_max || threads < 64)
 		return false;
-	memset(v, 0, sizeof(*v));
-	v->family = NK_FAMILY_BLOCK_SMEM;
-	v->threads = (uint16_t)threads;
-	v->rows_per_block = 1;
-	v->vec_elems = (uint16_t)vec;
 	v->param = shape_param(nv, K, 0, false);
 	Shape s = shape_of(v);
 	if (!smem_fits(a, dev, s))
@@ -322,22 +334,15 @@ static bool ring_variant(const struct nk_norm_args *a, const struct nk_device_in
 			 int K, int prefetch, bool staged, struct nk_variant *v)
 {
 	const int vec = vec_of(a);
-	const int64_t nvec = a->cols / vec;
 
 	if (!is_bwd(a) || !tiled_layout_ok(a) || nv < 1 ||
 	    (nv * vec != SMEM_BWD_MAX_ELEMS && nv * vec != SMEM_BWD_MAX_ELEMS / 2))
 		return false;
 	if ((K > 1 && dev->cc_major < 9) || (staged && !(a->flags & NK_MEMORY_EFFICIENT)))
 		return false;
-	int64_t threads = (nvec + (int64_t)nv * K - 1) / ((int64_t)nv * K);
-	threads = (threads + 31) / 32 * 32;
+	const int64_t threads = smem_fill(a, nv, K, v);
 	if (threads > ring_max_threads(K > 1, nv * vec) || threads < 64)
 		return false;
-	memset(v, 0, sizeof(*v));
-	v->family = NK_FAMILY_BLOCK_SMEM;
-	v->threads = (uint16_t)threads;
-	v->rows_per_block = 1;
-	v->vec_elems = (uint16_t)vec;
 	for (int pf = prefetch < 0 ? nv : prefetch; pf >= 0; pf--) {
 		v->param = ring_param(nv, K, pf, staged, 0);
 		Shape s = shape_of(v);
