@@ -34,10 +34,7 @@ Prints one line per check (failures with their message), then
 """
 
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -53,50 +50,10 @@ import torch.nn.functional as F  # noqa: E402
 
 import normd  # noqa: E402
 import torch_checks as checks  # noqa: E402
+from normd_daemon import Daemon  # noqa: E402
 from normd import normalization as N  # noqa: E402
 
 DEVICE = "cuda:0"
-
-
-class Daemon:
-    """build/bin/normd --device 0 on a private socket and state directory."""
-
-    def __init__(self, build):
-        self.dir = tempfile.mkdtemp(prefix="normd-pygpu.")
-        self.socket = os.path.join(self.dir, "normd.sock")
-        self.log_path = os.path.join(self.dir, "normd.log")
-        argv = [str(build / "bin" / "normd"), "--config", "/dev/null", "--device", "0",
-                "--socket", self.socket, "--state-dir", self.dir, "--log-level", "info"]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(self.socket):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("normd did not start:\n" + self.log())
-            time.sleep(0.05)
-
-    def log(self):
-        try:
-            return Path(self.log_path).read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                return -1
-        return self.proc.returncode
-
-    def cleanup(self):
-        for name in os.listdir(self.dir):
-            os.unlink(os.path.join(self.dir, name))
-        os.rmdir(self.dir)
 
 
 class Runner:
@@ -254,7 +211,8 @@ def main(argv):
     print("torch %s on %s; library %s" % (torch.__version__, torch.cuda.get_device_name(0),
                                           os.environ["NORMD_LIBRARY"]), flush=True)
     runner = Runner()
-    daemon = Daemon(build)
+    daemon = Daemon(build / "bin" / "normd", "0", log_level="info", start_timeout=60,
+                    stop_timeout=30)
     client = None
     try:
         client = normd.Client(daemon.socket, name="test_python")

@@ -87,25 +87,27 @@ static void assert_back_to(const struct snapshot *base)
 	assert_true(good_client_works(group_daemon.socket));
 }
 
+/* SIGKILLs a client process and reaps it. */
+static void kill_child(pid_t pid)
+{
+	kill(pid, SIGKILL);
+	int status;
+	assert_int_equal(waitpid(pid, &status, 0), pid);
+	assert_true(WIFSIGNALED(status));
+}
+
 static int make_memfd(size_t bytes)
 {
-	int fd = memfd_create("death", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	int fd = test_memfd(bytes, MFD_ALLOW_SEALING);
 	assert_true(fd >= 0);
-	assert_int_equal(ftruncate(fd, (off_t)bytes), 0);
 	return fd;
 }
 
 static uint8_t *register_frame(uint64_t id, uint64_t size, size_t *len)
 {
-	Normd__RegisterRegion reg = NORMD__REGISTER_REGION__INIT;
-	reg.region_id = id;
-	reg.kind = NORMD__REGION_KIND__HOST_MEMFD;
-	reg.size = size;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = id;
-	env.body_case = NORMD__ENVELOPE__BODY_REGISTER_REGION;
-	env.register_region = &reg;
+	Normd__RegisterRegion reg;
+	Normd__Envelope env;
+	raw_register_init(&env, &reg, id, id, size);
 	uint8_t *frame;
 	assert_int_equal(nc__frame_pack(&env, UINT32_MAX, &frame, len), 0);
 	return frame;
@@ -255,10 +257,7 @@ static void test_dies_while_registering(void **state)
 	assert_true(stats.regions >= base.regions + 2);
 	assert_true(stats.mapped_bytes >= base.mapped_bytes + (2u << 20));
 	nc_close(conn);
-	kill(pid, SIGKILL);
-	int status;
-	assert_int_equal(waitpid(pid, &status, 0), pid);
-	assert_true(WIFSIGNALED(status));
+	kill_child(pid);
 	assert_back_to(&base);
 }
 
@@ -299,10 +298,7 @@ static void test_dies_mid_job(void **state)
 	char byte;
 	assert_int_equal(read(ready[0], &byte, 1), 1);
 	close(ready[0]);
-	kill(pid, SIGKILL);
-	int status;
-	assert_int_equal(waitpid(pid, &status, 0), pid);
-	assert_true(WIFSIGNALED(status));
+	kill_child(pid);
 	assert_back_to(&base);
 }
 

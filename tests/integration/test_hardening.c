@@ -47,9 +47,8 @@ static void raw_open(struct raw *r)
 /* A sealable memfd of `bytes`, optionally sealed against shrinking. */
 static int make_memfd(size_t bytes, unsigned flags)
 {
-	int fd = memfd_create("hardening", MFD_CLOEXEC | flags);
+	int fd = test_memfd(bytes, flags);
 	assert_true(fd >= 0);
-	assert_int_equal(ftruncate(fd, (off_t)bytes), 0);
 	return fd;
 }
 
@@ -97,15 +96,9 @@ static void call_expect(struct raw *r, Normd__Envelope *env, Normd__Status statu
 static void register_send(struct raw *r, uint64_t request, uint64_t id, int memfd,
 			  uint64_t size)
 {
-	Normd__RegisterRegion reg = NORMD__REGISTER_REGION__INIT;
-	reg.region_id = id;
-	reg.kind = NORMD__REGION_KIND__HOST_MEMFD;
-	reg.size = size;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = request;
-	env.body_case = NORMD__ENVELOPE__BODY_REGISTER_REGION;
-	env.register_region = &reg;
+	Normd__RegisterRegion reg;
+	Normd__Envelope env;
+	raw_register_init(&env, &reg, request, id, size);
 	assert_int_equal(raw_send_with_fd(r->fd, &env, memfd), 0);
 }
 

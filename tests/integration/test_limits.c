@@ -98,18 +98,11 @@ static void expect_result(int fd, uint64_t id, Normd__Status status, const char 
 static void register_expect(int fd, uint64_t id, size_t file_bytes, uint64_t size,
 			    Normd__Status status, const char *needle)
 {
-	int memfd = memfd_create("limits", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	int memfd = test_memfd(file_bytes, MFD_ALLOW_SEALING);
 	assert_true(memfd >= 0);
-	assert_int_equal(ftruncate(memfd, (off_t)file_bytes), 0);
-	Normd__RegisterRegion reg = NORMD__REGISTER_REGION__INIT;
-	reg.region_id = id;
-	reg.kind = NORMD__REGION_KIND__HOST_MEMFD;
-	reg.size = size;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = 1000 + id;
-	env.body_case = NORMD__ENVELOPE__BODY_REGISTER_REGION;
-	env.register_region = &reg;
+	Normd__RegisterRegion reg;
+	Normd__Envelope env;
+	raw_register_init(&env, &reg, 1000 + id, id, size);
 	assert_int_equal(raw_send_with_fd(fd, &env, memfd), 0);
 	close(memfd);
 	expect_result(fd, env.request_id, status, needle);

@@ -7,19 +7,16 @@ bindings/python in this tree, and finds build/lib/libnormclient.so there.
 """
 
 import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bindings" / "python"))
+sys.path[:0] = [str(REPO / "bindings" / "python"), str(Path(__file__).resolve().parent)]
 
 import normd  # noqa: E402  (needs the path above)
+import normd_daemon  # noqa: E402
 
 
 def normd_bin():
@@ -28,58 +25,11 @@ def normd_bin():
     return path if path.is_absolute() else REPO / path
 
 
-def _die_with_parent():
-    """In the forked child: SIGTERM it if the test process dies (no orphan daemons)."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-class Daemon:
+class Daemon(normd_daemon.Daemon):
     """A normd --device cpu process on a private socket."""
 
     def __init__(self, *extra):
-        self.dir = tempfile.mkdtemp(prefix="normd-py.")
-        self.socket = os.path.join(self.dir, "normd.sock")
-        self.log_path = os.path.join(self.dir, "normd.log")
-        argv = [str(normd_bin()), "--config", "/dev/null", "--device", "cpu", "--socket",
-                self.socket, "--state-dir", self.dir, "--log-level", "debug", *extra]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + 10
-        # The socket file exists from bind(); the daemon serves (and handles
-        # SIGTERM) once it has logged event=listening.
-        while not os.path.exists(self.socket) or "event=listening" not in self.log():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("normd did not start:\n" + self.log())
-            time.sleep(0.01)
-
-    def log(self):
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
-
-    def stop(self):
-        """SIGTERM, wait (15 s at most, then SIGKILL); returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                return -1
-        return self.proc.returncode
-
-    def cleanup(self):
-        for name in os.listdir(self.dir):
-            os.unlink(os.path.join(self.dir, name))
-        os.rmdir(self.dir)
+        super().__init__(normd_bin(), "cpu", *extra)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -201,6 +202,30 @@ int raw_write(int fd, const void *bytes, size_t len)
 		len -= (size_t)n;
 	}
 	return 0;
+}
+
+int test_memfd(size_t bytes, unsigned flags)
+{
+	int fd = memfd_create("normd-test", MFD_CLOEXEC | flags);
+	if (fd >= 0 && ftruncate(fd, (off_t)bytes) != 0) {
+		close(fd);
+		fd = -1;
+	}
+	return fd;
+}
+
+void raw_register_init(Normd__Envelope *env, Normd__RegisterRegion *reg, uint64_t request_id,
+		       uint64_t region_id, uint64_t size)
+{
+	normd__register_region__init(reg);
+	reg->region_id = region_id;
+	reg->kind = NORMD__REGION_KIND__HOST_MEMFD;
+	reg->size = size;
+	normd__envelope__init(env);
+	env->has_request_id = true;
+	env->request_id = request_id;
+	env->body_case = NORMD__ENVELOPE__BODY_REGISTER_REGION;
+	env->register_region = reg;
 }
 
 int raw_send(int fd, Normd__Envelope *env)

@@ -41,6 +41,12 @@ bool test_daemon_log_contains(const struct test_daemon *d, const char *needle);
 /* Open file descriptors of the daemon process (from /proc), or -1. */
 int test_daemon_fd_count(const struct test_daemon *d);
 
+/* A memfd of `bytes` (memfd_create flags `flags` besides MFD_CLOEXEC), or -1. */
+int test_memfd(size_t bytes, unsigned flags);
+/* Makes `env` RegisterRegion request `request_id` (body `reg`) of a HOST_MEMFD region. */
+void raw_register_init(Normd__Envelope *env, Normd__RegisterRegion *reg, uint64_t request_id,
+		       uint64_t region_id, uint64_t size);
+
 /* Raw connection: returns a connected fd or -1. */
 int raw_connect(const char *socket_path);
 /* Writes all bytes; returns 0 or -1. */
