@@ -324,8 +324,17 @@ int main(int argc, char **argv)
 	    {NK_LAYERNORM_FWD, false}, {NK_LAYERNORM_BWD, false}, {NK_LAYERNORM_BWD, true},
 	    {NK_RMSNORM_FWD, false},   {NK_RMSNORM_BWD, false},	  {NK_RMSNORM_BWD, true},
 	};
-	/* Optional arguments limit the run to those cols values (for quick looks). */
-	bool only = argc > 1;
+	/*
+	 * Optional arguments limit the run to those cols values, and "bwd" to the
+	 * backward ops (for quick looks).
+	 */
+	bool only = false, bwd_only = false;
+	for (int k = 1; k < argc; k++) {
+		if (strcmp(argv[k], "bwd") == 0)
+			bwd_only = true;
+		else
+			only = true;
+	}
 
 	setup();
 	for (int d = 0; d < 2; d++) {
@@ -337,6 +346,8 @@ int main(int argc, char **argv)
 			if (!listed)
 				continue;
 			for (size_t o = 0; o < sizeof(ops) / sizeof(ops[0]); o++) {
+				if (bwd_only && !bwd_op(ops[o].op))
+					continue;
 				struct bjob b = {ops[o].op, dts[d], ops[o].memeff,
 						 TOTAL_ELEMS / cols[c], cols[c]};
 				bench_job(&b);

@@ -201,7 +201,7 @@ static int parse_line(const char *line, struct variant_key *k, struct nk_variant
 		   &cols, &family, &threads, &rows, &vec, &param, &source, &extra) != 11)
 		return -1;
 	if (op > NK_RMSNORM_BWD || dtype > NK_BF16 || wdtype > NK_BF16 || flags > 7 ||
-	    cols < 1 || family == NK_FAMILY_NONE || family > NK_FAMILY_GENERIC || threads == 0 ||
+	    cols < 1 || family == NK_FAMILY_NONE || family > NK_FAMILY_LAST || threads == 0 ||
 	    threads > 1024 || rows == 0 || rows > 65535 || vec == 0 || vec > 16)
 		return -1;
 	memset(k, 0, sizeof(*k));

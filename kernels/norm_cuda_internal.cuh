@@ -12,6 +12,9 @@
  *   - block_smem (NK_FAMILY_BLOCK_SMEM): a block (backward on sm_90 also a
  *     cluster) owns a row at a time and stages it in shared memory with
  *     cp.async, the next row(s) in flight; for rows wider than registers hold.
+ *   - tma_slice (NK_FAMILY_TMA_SLICE, backward, sm_90): a cluster of K
+ *     blocks owns a row at a time, block r a contiguous column slice of it,
+ *     staged several rows deep by TMA bulk copies (norm_cuda_bwd_tma.cu).
  *   - generic (NK_FAMILY_GENERIC): scalar loads, several passes over a row
  *     (the later ones hit L2); any cols, any alignment.
  * Backward writes per-row-group dgamma/dbeta partials (fp32) to the
@@ -71,6 +74,8 @@ struct Params {
 	int R;	  /* rows a block holds at a time */
 	int nvec; /* 16-byte vectors per row (tiled family) */
 	int prefetch; /* block_smem ring backward: next-row vectors a thread stages early */
+	int stages;   /* tma_slice: rows of the block's slice staged in shared memory */
+	int slice;    /* tma_slice: vectors of a row each block of the cluster owns */
 };
 
 /* Decoded launch shape of a variant. */
@@ -86,6 +91,7 @@ struct Shape {
 	bool ring;     /* block_smem backward: one row staged, `prefetch` of the next */
 	int prefetch;  /* ring: vectors a thread of the next row staged ahead (<= NV) */
 	bool staged_weights; /* ring, memory-efficient: gamma, beta, rg in shared memory */
+	int stages;	     /* tma_slice: rows staged in shared memory (>= 3) */
 };
 
 /*
@@ -103,6 +109,12 @@ static inline uint32_t ring_param(int nv, int k, int prefetch, bool staged_weigh
 {
 	return (uint32_t)nv | (uint32_t)staged_weights << 7 | (uint32_t)k << 8 |
 	       (uint32_t)prefetch << 12 | (uint32_t)cap << 16 | 1u << 31;
+}
+
+/* The tma_slice param word: NV | stages << 4 | K << 8 | units_cap << 16. */
+static inline uint32_t tma_param(int nv, int stages, int k, int cap)
+{
+	return (uint32_t)nv | (uint32_t)stages << 4 | (uint32_t)k << 8 | (uint32_t)cap << 16;
 }
 
 Shape shape_of(const struct nk_variant *v);
@@ -132,6 +144,11 @@ int launch_bwd_smem(const struct nk_norm_args *a, const struct nk_device_info *d
 /* Ring backward (Shape::ring): one row staged, part of the next in flight. */
 int launch_bwd_smem_ring(const struct nk_norm_args *a, const struct nk_device_info *dev,
 			 const Shape &s, float *part, const float *rg, cudaStream_t stream);
+/* tma_slice backward (norm_cuda_bwd_tma.cu, sm_90). */
+int launch_bwd_tma(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
+		   float *part, const float *rg, cudaStream_t stream);
+/* Dynamic shared memory of a tma_slice variant: `stages` rows of a block's slice of x and dy. */
+size_t tma_stage_bytes(const struct nk_norm_args *a, const Shape &s);
 /* Dynamic shared memory of a block_smem variant (its slice of the row, two stages). */
 size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s);
 /* Memory-efficient backward: rg[c] = 1 / clamp(gamma[c]), before the kernel. */
@@ -561,6 +578,25 @@ constexpr int SMEM_FWD_MAX_THREADS = 1024;
 /* Threads per block of the tiled kernels, at most; backward on sm_80. */
 constexpr int MAX_THREADS = 512;
 constexpr int BWD_MAX_THREADS_SM80 = 256;
+/*
+ * tma_slice backward: elements of a row a thread owns (its weights and
+ * dgamma/dbeta sums stay in registers: at most 128 with 512 threads, so
+ * blocks of up to 256 threads fit twice on a multiprocessor), staged rows
+ * at most and by default (deeper staging measured no faster).
+ */
+constexpr int TMA_ELEMS = 16;
+constexpr int TMA_MAX_STAGES = 15;
+constexpr int TMA_STAGES = 4;
+constexpr int TMA_MAX_CLUSTER = 8;
+constexpr int TMA_SUM_SLOTS = 4; /* rows whose cluster sums are in flight at once */
+/* Per-block static shared memory of the tma_slice backward. */
+struct TmaSmem {
+	unsigned long long full[TMA_MAX_STAGES]; /* mbarrier: stage k's copies landed */
+	unsigned long long sums[TMA_SUM_SLOTS];	 /* mbarrier: a row's K block sums landed */
+	float2 warp[2][MAX_THREADS / 32];	 /* row sums of each warp, by row parity */
+	float2 rank[TMA_SUM_SLOTS][TMA_MAX_CLUSTER]; /* row sums of each block of the cluster */
+};
+
 /* Threads per block of the ring backward (bwd_smem_ring), at most. */
 constexpr int ring_max_threads(bool cluster, int elems)
 {

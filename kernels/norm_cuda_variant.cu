@@ -75,6 +75,11 @@ Shape shape_of(const struct nk_variant *v)
 	s.ring = false;
 	s.prefetch = 0;
 	s.staged_weights = false;
+	s.stages = 0;
+	if (s.family == NK_FAMILY_TMA_SLICE) { /* see tma_param */
+		s.NV = (int)(v->param & 0xf);
+		s.stages = (int)((v->param >> 4) & 0xf);
+	}
 	if (s.family == NK_FAMILY_BLOCK_SMEM && s.split) { /* see ring_param */
 		s.split = false;
 		s.ring = true;
@@ -403,6 +408,87 @@ static bool smem_variant_fits(const struct nk_norm_args *a, const struct nk_devi
 	return (int64_t)s.threads * s.NV * s.K >= nvec && smem_fits(a, dev, s);
 }
 
+size_t tma_stage_bytes(const struct nk_norm_args *a, const Shape &s)
+{
+	const int64_t nvec = a->cols / vec_of(a);
+	const int64_t slice = (nvec + s.K - 1) / (s.K > 0 ? s.K : 1);
+	/* Each stage holds x and dy, each slice rounded to 128 bytes. */
+	return (size_t)s.stages * 2 * 16 * (size_t)((slice + 7) / 8 * 8);
+}
+
+/*
+ * Clusters of K blocks the reference device holds at once with one or two
+ * blocks a multiprocessor: an H100 SXM (132 SMs, 2026-11-22), as
+ * cudaOccupancyMaxActiveClusters reported it for 256-512 threads and 200
+ * (100) KB of shared memory a block. Clusters do not span GPCs, so K = 4
+ * gets 30 clusters, not 132 / 4; a grid of more clusters than fit would run
+ * a second, nearly empty wave.
+ */
+static int tma_units_cap(int K, int per_sm)
+{
+	static const int ref[2][TMA_MAX_CLUSTER + 1] = {{0, 132, 66, 39, 30, 22, 17, 15, 15},
+							{0, 264, 132, 79, 62, 47, 39, 32, 30}};
+	if (K < 1 || K > TMA_MAX_CLUSTER || per_sm < 1 || per_sm > 2)
+		return 1;
+	return ref[per_sm - 1][K];
+}
+
+/* Shared memory of a multiprocessor of the reference device (sm_90). */
+constexpr size_t REF_SMEM_PER_SM = 228 * 1024;
+
+/* Whether a tma_slice shape fits the job and the device. */
+static bool tma_shape_ok(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			 const Shape &s)
+{
+	const int vec = vec_of(a);
+	const int64_t nvec = a->cols / vec;
+	const size_t fixed = sizeof(TmaSmem) + 1024;
+	if (!is_bwd(a) || !tiled_layout_ok(a) || dev->cc_major < 9)
+		return false;
+	if (s.NV * vec != TMA_ELEMS || s.K < 1 || s.K > TMA_MAX_CLUSTER || s.R != 1)
+		return false;
+	if (s.stages < 3 || s.stages > TMA_MAX_STAGES || s.units_cap < 1)
+		return false;
+	if (s.threads < 64 || s.threads % 32 != 0 || s.threads > MAX_THREADS)
+		return false;
+	const int64_t slice = (nvec + s.K - 1) / s.K;
+	return (int64_t)s.threads * s.NV >= slice &&
+	       tma_stage_bytes(a, s) + fixed <= dev->max_smem_per_block_optin;
+}
+
+/*
+ * A tma_slice variant on clusters of K blocks, `per_sm` (1 or 2) blocks a
+ * multiprocessor (two need at most 256 threads, for the registers, and
+ * half its shared memory), TMA_STAGES rows deep or as many as fit (at
+ * least 3). False if none fits the job.
+ */
+static bool tma_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int K,
+			int per_sm, struct nk_variant *v)
+{
+	const int vec = vec_of(a);
+	const int64_t nvec = a->cols / vec;
+	const int nv = TMA_ELEMS / vec;
+	if (K < 1 || K > TMA_MAX_CLUSTER || per_sm < 1 || per_sm > 2)
+		return false;
+	const int64_t slice = (nvec + K - 1) / K;
+	const int64_t threads = ((slice + nv - 1) / nv + 31) / 32 * 32;
+	if (threads > MAX_THREADS || (per_sm == 2 && threads > MAX_THREADS / 2))
+		return false;
+	memset(v, 0, sizeof(*v));
+	v->family = NK_FAMILY_TMA_SLICE;
+	v->threads = (uint16_t)threads;
+	v->rows_per_block = 1;
+	v->vec_elems = (uint16_t)vec;
+	const size_t share = REF_SMEM_PER_SM / (size_t)per_sm - sizeof(TmaSmem) - 1024;
+	for (int st = TMA_STAGES; st >= 3; st--) {
+		v->param = tma_param(nv, st, K, tma_units_cap(K, per_sm));
+		const Shape s = shape_of(v);
+		if (tma_shape_ok(a, dev, s) && tma_stage_bytes(a, s) <= share)
+			return true;
+	}
+	return false;
+}
+
 static void generic_variant(const struct nk_norm_args *a, struct nk_variant *v)
 {
 	memset(v, 0, sizeof(*v));
@@ -522,7 +608,7 @@ static int dispatch(const struct nk_norm_args *a, const struct nk_device_info *d
 	}
 	if (s.family == NK_FAMILY_GENERIC) {
 		rc = launch_bwd_generic(a, dev, s, part, stream);
-	} else if (s.family == NK_FAMILY_BLOCK_SMEM) {
+	} else if (s.family == NK_FAMILY_BLOCK_SMEM || s.family == NK_FAMILY_TMA_SLICE) {
 		float *rg = NULL;
 		if (a->flags & NK_MEMORY_EFFICIENT) {
 			rg = reinterpret_cast<float *>(static_cast<char *>(exec->workspace) +
@@ -531,8 +617,12 @@ static int dispatch(const struct nk_norm_args *a, const struct nk_device_info *d
 			if (rc != NK_OK)
 				return rc;
 		}
-		rc = s.ring ? launch_bwd_smem_ring(a, dev, s, part, rg, stream)
-			    : launch_bwd_smem(a, dev, s, part, rg, stream);
+		if (s.family == NK_FAMILY_TMA_SLICE)
+			rc = launch_bwd_tma(a, dev, s, part, rg, stream);
+		else if (s.ring)
+			rc = launch_bwd_smem_ring(a, dev, s, part, rg, stream);
+		else
+			rc = launch_bwd_smem(a, dev, s, part, rg, stream);
 	} else {
 		char *ws = static_cast<char *>(exec->workspace);
 		float *rg = NULL, *sums = NULL;
@@ -625,13 +715,33 @@ static bool fp32_bwd_default(const struct nk_norm_args *a, const struct nk_devic
 	return false;
 }
 
+/*
+ * The sm_90 backward default for rows of more than 1024 vectors (bf16 or
+ * fp16 wider than 8192 columns, fp32 wider than 4096): tma_slice on the
+ * fewest blocks a row whose slices fit 512 threads, one block a
+ * multiprocessor. On the H100 (BENCHMARKS.md, 2026-11-22) it ran at 90-98%
+ * of copy bandwidth from 8192 to 32768 columns, memory-efficient
+ * included, where block_smem and the split rows ran at 55-86%.
+ * (fp32 memory-efficient rows up to 8192 columns keep fp32_bwd_default.)
+ */
+static bool tma_bwd_default(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			    struct nk_variant *v)
+{
+	const int64_t nvec = a->cols / vec_of(a);
+	const int64_t per_block = (int64_t)MAX_THREADS * (TMA_ELEMS / vec_of(a));
+	if (!is_bwd(a) || dev->cc_major < 9 || nvec <= 1024)
+		return false;
+	const int64_t K = (nvec + per_block - 1) / per_block;
+	return K <= TMA_MAX_CLUSTER && tma_variant(a, dev, (int)K, 1, v);
+}
+
 int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_device_info *dev,
 			    struct nk_variant *out)
 {
 	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
 		return NK_EINVAL;
 	int nv = max_nv(args);
-	if (fp32_bwd_default(args, dev, out))
+	if (fp32_bwd_default(args, dev, out) || tma_bwd_default(args, dev, out))
 		return NK_OK;
 	if (tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) &&
 	    fwd_prefers_smem(args, out)) {
@@ -691,6 +801,48 @@ static int add_ring_candidates(const struct nk_norm_args *a, const struct nk_dev
 	return n;
 }
 
+/*
+ * Appends up to five tma_slice shapes (sm_90 backward rows of more than 512
+ * vectors) to out[0..n): clusters of 1, 2, 3, 4, 6 and 8 blocks, one or
+ * two blocks a multiprocessor, the most resident threads first (the kernel
+ * is latency-bound below about 16 warps a multiprocessor), then the fewest
+ * blocks a row. Returns the new count.
+ */
+static int add_tma_candidates(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			      struct nk_variant *out, int n, int max)
+{
+	static const int ks[] = {1, 2, 3, 4, 6, 8};
+	struct nk_variant all[12];
+	int warps[12], m = 0;
+
+	if (!is_bwd(a) || a->cols / vec_of(a) <= 512)
+		return n;
+	for (int k = 0; k < 6; k++) {
+		for (int per_sm = 1; per_sm <= 2; per_sm++) {
+			if (!tma_variant(a, dev, ks[k], per_sm, &all[m]) || all[m].threads < 128)
+				continue;
+			warps[m] = per_sm * all[m].threads / 32;
+			m++;
+		}
+	}
+	for (int added = 0; added < 5 && n < max; added++) {
+		int best = -1;
+		for (int i = 0; i < m; i++) {
+			if (warps[i] > 0 && (best < 0 || warps[i] > warps[best]))
+				best = i;
+		}
+		if (best < 0)
+			break;
+		warps[best] = 0;
+		bool seen = false;
+		for (int i = 0; i < n; i++)
+			seen = seen || memcmp(&out[i], &all[best], sizeof(all[best])) == 0;
+		if (!seen)
+			out[n++] = all[best];
+	}
+	return n;
+}
+
 int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_device_info *dev,
 			       struct nk_variant *out, int max)
 {
@@ -701,6 +853,7 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 		return 0;
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
+	n = add_tma_candidates(args, dev, out, n, max);
 	/*
 	 * Rows of more than 128 vectors: block_smem shapes first (callers keep
 	 * few). Forward: 2, 4, 8 vectors a thread. Backward: 1 to 32 elements a
@@ -761,6 +914,8 @@ bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_devic
 		return tiled_fits(args, dev, variant, s);
 	case NK_FAMILY_BLOCK_SMEM:
 		return smem_variant_fits(args, dev, variant, s);
+	case NK_FAMILY_TMA_SLICE:
+		return tma_shape_ok(args, dev, s) && variant->vec_elems == vec_of(args);
 	case NK_FAMILY_GENERIC:
 		return s.threads == 256 && (s.R == 1 || s.R == 8) && s.NV == 1 && s.K == 1 &&
 		       variant->vec_elems == 1 && (!is_bwd(args) || s.units_cap >= 1);
@@ -770,8 +925,8 @@ bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_devic
 
 void nk_variant_name(const struct nk_variant *variant, char *buf, size_t len)
 {
-	static const char *const names[] = {"none", "warp_rows", "block_row", "block_smem",
-					    "generic"};
+	static const char *const names[] = {"none",	  "warp_rows", "block_row",
+					    "block_smem", "generic",   "tma_slice"};
 	if (!buf || len == 0)
 		return;
 	if (!variant) {
@@ -779,11 +934,13 @@ void nk_variant_name(const struct nk_variant *variant, char *buf, size_t len)
 		return;
 	}
 	Shape s = shape_of(variant);
-	const char *fam = variant->family < 5 ? names[variant->family] : "unknown";
+	const char *fam = variant->family <= NK_FAMILY_LAST ? names[variant->family] : "unknown";
 	int n = snprintf(buf, len, "%s/t%u/r%u/v%u/n%d", fam, (unsigned)variant->threads,
 			 (unsigned)variant->rows_per_block, (unsigned)variant->vec_elems, s.NV);
 	if (n > 0 && (size_t)n < len && s.K > 1)
 		n += snprintf(buf + n, len - (size_t)n, s.split ? "/s%d" : "/c%d", s.K);
+	if (n > 0 && (size_t)n < len && s.stages > 0)
+		n += snprintf(buf + n, len - (size_t)n, "/st%d", s.stages);
 	if (n > 0 && (size_t)n < len && s.ring)
 		n += snprintf(buf + n, len - (size_t)n, "/st1pf%d%s", s.prefetch,
 			      s.staged_weights ? "/sw" : "");

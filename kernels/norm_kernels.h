@@ -190,8 +190,9 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
  * daemon persisted for older kernels are dropped instead of kept forever.
  * 2: block_smem for rows too wide for registers (2026-11-22).
  * 3: block_smem ring candidates for the widest backward rows (2026-11-22).
+ * 4: tma_slice backward for rows wider than a block's registers (2026-11-22).
  */
-#define NK_VARIANT_SET 3
+#define NK_VARIANT_SET 4
 
 /* Which kernel family a variant runs. */
 enum nk_variant_family {
@@ -200,6 +201,9 @@ enum nk_variant_family {
 	NK_FAMILY_BLOCK_ROW = 2, /* one block per row, row held in registers */
 	NK_FAMILY_BLOCK_SMEM = 3, /* one block per row, row staged in shared memory */
 	NK_FAMILY_GENERIC = 4,   /* any cols, any alignment: the fallback */
+	NK_FAMILY_TMA_SLICE = 5, /* backward, sm_90: a cluster a row, each block a
+				    column slice staged by TMA bulk copies */
+	NK_FAMILY_LAST = NK_FAMILY_TMA_SLICE,
 };
 
 /*
@@ -215,7 +219,8 @@ struct nk_variant {
 				    vectors a thread (bits 0-7), blocks sharing
 				    a row (8-15), the backward grid cap (16-30)
 				    and "split rows" (31; in block_smem the ring
-				    backward, which repacks bits 0-15), see
+				    backward, which repacks bits 0-15; tma_slice
+				    keeps its stages in bits 4-7), see
 				    norm_cuda_internal.cuh */
 	uint32_t reserved;       /* zero */
 };

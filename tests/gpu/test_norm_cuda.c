@@ -572,9 +572,34 @@ static const struct combo rms_bwd[] = {
     {NK_ACCUMULATE, true, false, false, true, false},
 };
 
+/*
+ * NORM_GPU_TEST_COLS="12288,32768" limits a run to backward cases of those
+ * widths (for a quick look at new backward kernels); unset, all run.
+ */
+static bool selected(enum nk_op op, int64_t cols)
+{
+	const char *only = getenv("NORM_GPU_TEST_COLS");
+	if (!only || !*only)
+		return true;
+	if (op != NK_LAYERNORM_BWD && op != NK_RMSNORM_BWD)
+		return false;
+	for (const char *p = only; *p;) {
+		char *end;
+		long long v = strtoll(p, &end, 10);
+		if (end == p)
+			break;
+		if (v == cols)
+			return true;
+		p = *end ? end + 1 : end;
+	}
+	return false;
+}
+
 static void run_op(enum nk_op op, const struct combo *cb, int ncb, int64_t rows, int64_t cols,
 		   int offset)
 {
+	if (!selected(op, cols))
+		return;
 	for (size_t p = 0; p < sizeof(pairs) / sizeof(pairs[0]); p++) {
 		for (int k = 0; k < ncb; k++) {
 			struct tcase c = {op,	       pairs[p].dt,  pairs[p].wt, cb[k].flags,
@@ -701,6 +726,12 @@ int main(void)
 	run_op(NK_RMSNORM_BWD, rms_bwd, 4, 265, 16384, 0);
 	run_op(NK_LAYERNORM_BWD, ln_bwd, 7, 67, 32768, 0);
 	run_op(NK_RMSNORM_BWD, rms_bwd, 4, 67, 32768, 0);
+	/*
+	 * tma_slice: a row that does not split evenly over the cluster (the
+	 * last block's slice is shorter), and fewer rows than clusters.
+	 */
+	run_op(NK_LAYERNORM_BWD, ln_bwd, 7, 37, 8200, 0);
+	run_op(NK_RMSNORM_BWD, rms_bwd, 4, 3, 24584, 0);
 	run_nan_cases();
 	run_fallback_case();
 

@@ -1,0 +1,405 @@
+/*
+ * LayerNorm and RMSNorm backward, tma_slice family (sm_90): rows too wide
+ * for one block's registers (norm_cuda_internal.cuh).
+ *
+ * A cluster of K blocks owns one row at a time, block r the contiguous
+ * column slice r of it (`slice` vectors), and walks rows first, first +
+ * units, ... Thread t of a block owns the slice's vectors j * G + t
+ * (TMA_ELEMS elements in all): their weights and dgamma/dbeta sums stay in
+ * registers for the whole kernel. One thread copies each row's slice of x
+ * (or y) and dy into shared memory with TMA bulk copies, `stages` rows
+ * deep, each stage completing an mbarrier; no thread issues loads, so the
+ * rows in flight do not depend on occupancy.
+ *
+ * Per row (the block's i-th):
+ *   1. wait for stage i; sum g = dy * gamma and g * xh over the thread's
+ *      elements, add dy * xh and dy to its dgamma/dbeta sums; warp sums;
+ *   2. block barrier; thread 0 refills the stage of row i - 2 (read by
+ *      everyone before the barrier) with row i + stages - 2;
+ *   3. warp 0 sums the warps in order and stores the block's sums in slot
+ *      `rank` of row slot i % D of every block of the cluster with st.async
+ *      (distributed shared memory), each store completing 8 bytes of that
+ *      block's mbarrier sums[i % D];
+ *   4. dx of row i - 1, whose sums step 5 of the previous row fetched;
+ *   5. wait for sums[i % D] (all K blocks' sums of row i); sum the K
+ *      slots in rank order.
+ * The exchange's latency hides behind step 4. It uses no cluster barrier:
+ * a release barrier would also wait for every dx store still in flight
+ * (measured: a cluster of 2 ran at half the speed of one block). A block
+ * stores row i + D's sums into a peer only after it has received the
+ * peer's sums of row i + D - 1, which the peer sends after consuming row
+ * i + D - 3 and earlier (step 4 of row i + D - 2 uses them), so with
+ * D = TMA_SUM_SLOTS = 4 slots no store overtakes a read. Three stages are
+ * the least (rows i - 1 and i are held); more keep stages - 2 rows in
+ * flight. A block of its own (K = 1) exchanges through its own slot and
+ * a block barrier.
+ *
+ * At the end each block writes its slice of the cluster's dgamma/dbeta
+ * sums as partial row `first` (the grid is min(rows, units_cap) clusters,
+ * a rule of the shape and variant), summed by launch_finish in a fixed
+ * order, so the weight gradients are bit-identical on every run.
+ *
+ * Needs 16-byte aligned tensors and cols % VEC == 0 (the variant rules
+ * check it). Built for sm_90 (the sm_80 build traps; the rules never pick
+ * it there).
+ */
+#include "kernels/norm_cuda_internal.cuh"
+
+namespace nkc
+{
+namespace
+{
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define NKC_TMA 1
+#endif
+
+#ifdef NKC_TMA
+__device__ __forceinline__ unsigned shared_addr(const void *p)
+{
+	return (unsigned)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbarrier_init(unsigned long long *bar, unsigned count)
+{
+	asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(bar)), "r"(count)
+		     : "memory");
+}
+
+/* Makes initialized mbarriers visible to the async proxy (the bulk copies). */
+__device__ __forceinline__ void mbarrier_init_fence()
+{
+	asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+/* Arrives once, announcing `bytes` the phase's bulk copies will deliver. */
+__device__ __forceinline__ void mbarrier_expect(unsigned long long *bar, unsigned bytes)
+{
+	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+			 shared_addr(bar)),
+		     "r"(bytes)
+		     : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(unsigned long long *bar, unsigned parity)
+{
+	unsigned done;
+	do {
+		asm volatile("{\n\t.reg .pred p;\n\t"
+			     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+			     "selp.u32 %0, 1, 0, p;\n\t}"
+			     : "=r"(done)
+			     : "r"(shared_addr(bar)), "r"(parity)
+			     : "memory");
+	} while (!done);
+}
+
+/* `bytes` (a multiple of 16) from global to this block's shared memory. */
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes,
+					  unsigned long long *bar)
+{
+	asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+		     "[%0], [%1], %2, [%3];" ::"r"(shared_addr(dst)),
+		     "l"(src), "r"(bytes), "r"(shared_addr(bar))
+		     : "memory");
+}
+
+__device__ __forceinline__ void cluster_arrive()
+{
+	asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait()
+{
+	asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/* The address of `local` (shared memory) in the block of cluster rank `rank`. */
+__device__ __forceinline__ unsigned rank_addr(const void *local, int rank)
+{
+	unsigned remote;
+	asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+		     : "=r"(remote)
+		     : "r"(shared_addr(local)), "r"(rank));
+	return remote;
+}
+
+/*
+ * Stores v at `local` in the block of cluster rank `rank`, completing 8
+ * bytes of that block's mbarrier `bar` (its waiters then see v). Unlike a
+ * release barrier, it does not wait for this thread's earlier global stores.
+ */
+__device__ __forceinline__ void store_to_rank(float2 *local, unsigned long long *bar, int rank,
+					      float2 v)
+{
+	asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, "
+		     "[%3];" ::"r"(rank_addr(local, rank)),
+		     "f"(v.x), "f"(v.y), "r"(rank_addr(bar, rank))
+		     : "memory");
+}
+#endif
+
+template <typename T, typename W, bool MEMEFF>
+__global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
+{
+#ifdef NKC_TMA
+	constexpr int VEC = 16 / sizeof(T), NV = TMA_ELEMS / VEC, E = TMA_ELEMS;
+	constexpr int WE = MEMEFF ? E : 1;
+	extern __shared__ __align__(128) uint4 stage[]; /* [stages][x, dy][sva] */
+	__shared__ TmaSmem sm;
+	const int t = threadIdx.x, G = blockDim.x, lane = t & 31, warp = t >> 5, nw = G >> 5;
+	const int K = p.K, S = p.stages, sva = (p.slice + 7) & ~7;
+	const int rank = cluster_rank(K), lo = rank * p.slice;
+	const int cnt = max(0, min(p.slice, p.nvec - lo)); /* this block's vectors */
+	const unsigned bytes = (unsigned)cnt * 16u;
+	const int64_t first = blockIdx.x / K, stride = gridDim.x / K;
+	const int64_t n = first < p.rows ? (p.rows - first + stride - 1) / stride : 0;
+	const bool sums = p.f & (F_DGAMMA | F_DBETA), ln = p.f & F_LN;
+	const T *xs = static_cast<const T *>(p.x) + (int64_t)lo * VEC;
+	const T *ds = static_cast<const T *>(p.dy) + (int64_t)lo * VEC;
+	float gm[E], bt[WE], rg[WE], ag[E], ab[E];
+
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		const int lv = j * G + t;
+		float *wg = gm + j * VEC;
+#pragma unroll
+		for (int i = 0; i < VEC; i++) {
+			wg[i] = 1.0f;
+			if (MEMEFF) {
+				bt[j * VEC + i] = 0.0f;
+				rg[j * VEC + i] = 0.0f;
+			}
+		}
+		if (lv >= cnt)
+			continue;
+		const int64_t col = (int64_t)(lo + lv) * VEC;
+		if (p.f & F_GAMMA)
+			load_weights<VEC>(static_cast<const W *>(p.gamma) + col, wg);
+		if constexpr (MEMEFF) {
+			if (p.f & F_BETA)
+				load_weights<VEC>(static_cast<const W *>(p.beta) + col, bt + j * VEC);
+			load_weights<VEC>(p.rg + col, rg + j * VEC);
+		}
+	}
+#pragma unroll
+	for (int e = 0; e < E; e++) {
+		ag[e] = 0.0f;
+		ab[e] = 0.0f;
+	}
+	if (t == 0) {
+		for (int k = 0; k < S; k++)
+			mbarrier_init(&sm.full[k], 1);
+		for (int d = 0; d < TMA_SUM_SLOTS && K > 1; d++) {
+			mbarrier_init(&sm.sums[d], 1);
+			if (d < n) /* the K blocks' sums of row d */
+				mbarrier_expect(&sm.sums[d], 8u * K);
+		}
+		mbarrier_init_fence();
+	}
+	__syncthreads();
+	if (K > 1) { /* every block's shared memory is live before any remote store */
+		cluster_arrive();
+		cluster_wait();
+	}
+
+	/* Thread 0: the block's i-th row into stage k (= i % S). */
+	auto issue = [&](int64_t i, int k) {
+		const int64_t off = (first + i * stride) * p.cols;
+		uint4 *dst = stage + (size_t)k * 2 * sva;
+		mbarrier_expect(&sm.full[k], 2 * bytes);
+		if (bytes) {
+			bulk_load(dst, xs + off, bytes, &sm.full[k]);
+			bulk_load(dst + sva, ds + off, bytes, &sm.full[k]);
+		}
+	};
+	/* (mean, rstd) of the block's i-th row; mean only for standard LayerNorm. */
+	auto stats = [&](int64_t i) {
+		float2 st = make_float2(0.0f, 0.0f);
+		if (i < n) {
+			const int64_t row = first + i * stride;
+			if (ln && !MEMEFF)
+				st.x = p.mean[row];
+			st.y = p.rstd[row];
+		}
+		return st;
+	};
+	auto terms = [&](float xv, float dyv, int e, float2 st, float &xh, float &g) {
+		if constexpr (MEMEFF)
+			xh = (xv - bt[e]) * rg[e];
+		else
+			xh = (xv - st.x) * st.y;
+		g = dyv * gm[e];
+	};
+	/* dx of the block's i-th row (in stage k), with m1 = mean(g) (LayerNorm), m2 = mean(g * xh). */
+	auto write_dx = [&](int64_t i, int k, float2 st, float m1, float m2) {
+		const uint4 *cur = stage + (size_t)k * 2 * sva;
+		uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.dx) +
+						       (first + i * stride) * p.cols) +
+			     lo;
+#pragma unroll
+		for (int j = 0; j < NV; j++) {
+			const int lv = j * G + t;
+			if (lv >= cnt)
+				continue;
+			float x[VEC], dy[VEC], dx[VEC];
+			unpack<T>(cur[lv], x);
+			unpack<T>(cur[sva + lv], dy);
+#pragma unroll
+			for (int i2 = 0; i2 < VEC; i2++) {
+				float xh, g;
+				terms(x[i2], dy[i2], j * VEC + i2, st, xh, g);
+				dx[i2] = st.y * (g - m1 - xh * m2);
+			}
+			__stcs(out + lv, pack<T>(dx));
+		}
+	};
+
+	if (t == 0) {
+		for (int i = 0; i < n && i < S - 2; i++)
+			issue(i, i);
+	}
+	float2 cst = stats(0), pst = make_float2(0.0f, 0.0f);
+	float pm1 = 0.0f, pm2 = 0.0f;
+	int k = 0;	      /* stage of row i: i % S, kept without 64-bit division */
+	unsigned phase = 0;   /* parity of stage k's mbarrier phase for row i */
+	for (int64_t i = 0; i < n; i++) {
+		const float2 nst = stats(i + 1);
+		const int slot = (int)(i & (TMA_SUM_SLOTS - 1)), prev = k > 0 ? k - 1 : S - 1;
+		const uint4 *cur = stage + (size_t)k * 2 * sva;
+		float s[2] = {0.0f, 0.0f};
+
+		mbarrier_wait(&sm.full[k], phase);
+#pragma unroll
+		for (int j = 0; j < NV; j++) {
+			const int lv = j * G + t;
+			if (lv >= cnt)
+				continue;
+			float x[VEC], dy[VEC];
+			unpack<T>(cur[lv], x);
+			unpack<T>(cur[sva + lv], dy);
+#pragma unroll
+			for (int i2 = 0; i2 < VEC; i2++) {
+				const int e = j * VEC + i2;
+				float xh, g;
+				terms(x[i2], dy[i2], e, cst, xh, g);
+				s[0] += g;
+				s[1] += g * xh;
+				if (sums) {
+					ag[e] += dy[i2] * xh;
+					ab[e] += dy[i2];
+				}
+			}
+		}
+		butterfly<SumOp<2>>(s, 32);
+		if (lane == 0)
+			sm.warp[i & 1][warp] = make_float2(s[0], s[1]);
+		__syncthreads();
+		if (t == 0 && i + S - 2 < n) /* into the stage of row i - 2 */
+			issue(i + S - 2, k >= 2 ? k - 2 : k + S - 2);
+		if (warp == 0) {
+			float v[2] = {0.0f, 0.0f};
+			if (lane < nw) {
+				v[0] = sm.warp[i & 1][lane].x;
+				v[1] = sm.warp[i & 1][lane].y;
+			}
+			butterfly<SumOp<2>>(v, lanes_for(nw));
+			broadcast_lane0<2>(v);
+			if (K == 1 && lane == 0)
+				sm.rank[slot][0] = make_float2(v[0], v[1]);
+			else if (K > 1 && lane < K)
+				store_to_rank(&sm.rank[slot][rank], &sm.sums[slot], lane,
+					      make_float2(v[0], v[1]));
+		}
+		if (i > 0)
+			write_dx(i - 1, prev, pst, pm1, pm2);
+		if (K > 1) {
+			mbarrier_wait(&sm.sums[slot], (unsigned)(i / TMA_SUM_SLOTS) & 1u);
+			if (t == 0 && i + TMA_SUM_SLOTS < n) /* re-arm for the row D later */
+				mbarrier_expect(&sm.sums[slot], 8u * K);
+		} else {
+			__syncthreads();
+		}
+		float s0 = 0.0f, s1 = 0.0f;
+		for (int r = 0; r < K; r++) {
+			s0 += sm.rank[slot][r].x;
+			s1 += sm.rank[slot][r].y;
+		}
+		pm1 = ln ? s0 * p.inv_cols : 0.0f;
+		pm2 = s1 * p.inv_cols;
+		pst = cst;
+		cst = nst;
+		if (++k == S) {
+			k = 0;
+			phase ^= 1u;
+		}
+	}
+	if (n > 0)
+		write_dx(n - 1, k > 0 ? k - 1 : S - 1, pst, pm1, pm2);
+	if (!sums)
+		return;
+	float *pg = p.part + first * p.cols, *pb = p.part + (p.part_rows + first) * p.cols;
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		const int lv = j * G + t;
+		if (lv >= cnt)
+			continue;
+		const int64_t col = (int64_t)(lo + lv) * VEC;
+#pragma unroll
+		for (int c = 0; c < VEC / 4; c++) {
+			const float *a = ag + j * VEC + 4 * c, *b = ab + j * VEC + 4 * c;
+			if (p.f & F_DGAMMA)
+				reinterpret_cast<float4 *>(pg + col)[c] =
+				    make_float4(a[0], a[1], a[2], a[3]);
+			if (p.f & F_DBETA)
+				reinterpret_cast<float4 *>(pb + col)[c] =
+				    make_float4(b[0], b[1], b[2], b[3]);
+		}
+	}
+#else
+	(void)p;
+	__trap();
+#endif
+}
+
+template <auto kern>
+cudaError_t launch_tma(const Params &p, const struct nk_device_info *dev, const Shape &s,
+		       int64_t units, size_t smem, cudaStream_t stream)
+{
+	cudaError_t err = allow_smem<kern>(dev, smem);
+	if (err == cudaSuccess)
+		err = launch_kernel(kern, units * s.K, s.threads, s.K, stream, p, smem);
+	return err;
+}
+
+} /* namespace */
+
+int launch_bwd_tma(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
+		   float *part, const float *rg, cudaStream_t stream)
+{
+	Params p = params_of(a);
+	p.rg = rg;
+	p.G = s.threads;
+	p.K = s.K;
+	p.R = 1;
+	p.iters = a->rows;
+	p.part = part;
+	p.part_rows = partial_rows(a, s);
+	p.stages = s.stages;
+	const int64_t units = a->rows < s.units_cap ? a->rows : s.units_cap;
+	const size_t smem = tma_stage_bytes(a, s);
+	const bool memeff = p.f & F_MEMEFF;
+	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
+		using T = decltype(tt);
+		using W = decltype(wt);
+		constexpr int VEC = 16 / sizeof(T);
+		p.nvec = (int)(a->cols / VEC);
+		p.slice = (p.nvec + s.K - 1) / s.K;
+		cudaError_t err =
+		    memeff ? launch_tma<bwd_tma<T, W, true>>(p, dev, s, units, smem, stream)
+			   : launch_tma<bwd_tma<T, W, false>>(p, dev, s, units, smem, stream);
+		return err == cudaSuccess ? (int)NK_OK : set_error(err, "tma_slice backward launch");
+	});
+}
+
+} /* namespace nkc */
