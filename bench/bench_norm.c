@@ -325,13 +325,15 @@ int main(int argc, char **argv)
 	    {NK_RMSNORM_FWD, false},   {NK_RMSNORM_BWD, false},	  {NK_RMSNORM_BWD, true},
 	};
 	/*
-	 * Optional arguments limit the run to those cols values, and "bwd" to the
-	 * backward ops (for quick looks).
+	 * Optional arguments limit the run to those cols values, and "bwd" or
+	 * "fwd" to the backward or forward ops (for quick looks).
 	 */
-	bool only = false, bwd_only = false;
+	bool only = false, bwd_only = false, fwd_only = false;
 	for (int k = 1; k < argc; k++) {
 		if (strcmp(argv[k], "bwd") == 0)
 			bwd_only = true;
+		else if (strcmp(argv[k], "fwd") == 0)
+			fwd_only = true;
 		else
 			only = true;
 	}
@@ -346,7 +348,7 @@ int main(int argc, char **argv)
 			if (!listed)
 				continue;
 			for (size_t o = 0; o < sizeof(ops) / sizeof(ops[0]); o++) {
-				if (bwd_only && !bwd_op(ops[o].op))
+				if ((bwd_only && !bwd_op(ops[o].op)) || (fwd_only && bwd_op(ops[o].op)))
 					continue;
 				struct bjob b = {ops[o].op, dts[d], ops[o].memeff,
 						 TOTAL_ELEMS / cols[c], cols[c]};

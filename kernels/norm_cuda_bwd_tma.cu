@@ -18,7 +18,7 @@
  *      everyone before the barrier) with row i + stages - 2;
  *   3. warp 0 sums the warps in order and stores the block's sums in slot
  *      `rank` of row slot i % D of every block of the cluster with st.async
- *      (distributed shared memory), each store completing 8 bytes of that
+ *      (distributed shared memory), each store completing 16 bytes of that
  *      block's mbarrier sums[i % D];
  *   4. dx of row i - 1, whose sums step 5 of the previous row fetched;
  *   5. wait for sums[i % D] (all K blocks' sums of row i); sum the K
@@ -50,95 +50,6 @@ namespace nkc
 namespace
 {
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define NKC_TMA 1
-#endif
-
-#ifdef NKC_TMA
-__device__ __forceinline__ unsigned shared_addr(const void *p)
-{
-	return (unsigned)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void mbarrier_init(unsigned long long *bar, unsigned count)
-{
-	asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(bar)), "r"(count)
-		     : "memory");
-}
-
-/* Makes initialized mbarriers visible to the async proxy (the bulk copies). */
-__device__ __forceinline__ void mbarrier_init_fence()
-{
-	asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-/* Arrives once, announcing `bytes` the phase's bulk copies will deliver. */
-__device__ __forceinline__ void mbarrier_expect(unsigned long long *bar, unsigned bytes)
-{
-	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
-			 shared_addr(bar)),
-		     "r"(bytes)
-		     : "memory");
-}
-
-__device__ __forceinline__ void mbarrier_wait(unsigned long long *bar, unsigned parity)
-{
-	unsigned done;
-	do {
-		asm volatile("{\n\t.reg .pred p;\n\t"
-			     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-			     "selp.u32 %0, 1, 0, p;\n\t}"
-			     : "=r"(done)
-			     : "r"(shared_addr(bar)), "r"(parity)
-			     : "memory");
-	} while (!done);
-}
-
-/* `bytes` (a multiple of 16) from global to this block's shared memory. */
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes,
-					  unsigned long long *bar)
-{
-	asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-		     "[%0], [%1], %2, [%3];" ::"r"(shared_addr(dst)),
-		     "l"(src), "r"(bytes), "r"(shared_addr(bar))
-		     : "memory");
-}
-
-__device__ __forceinline__ void cluster_arrive()
-{
-	asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void cluster_wait()
-{
-	asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-/* The address of `local` (shared memory) in the block of cluster rank `rank`. */
-__device__ __forceinline__ unsigned rank_addr(const void *local, int rank)
-{
-	unsigned remote;
-	asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-		     : "=r"(remote)
-		     : "r"(shared_addr(local)), "r"(rank));
-	return remote;
-}
-
-/*
- * Stores v at `local` in the block of cluster rank `rank`, completing 8
- * bytes of that block's mbarrier `bar` (its waiters then see v). Unlike a
- * release barrier, it does not wait for this thread's earlier global stores.
- */
-__device__ __forceinline__ void store_to_rank(float2 *local, unsigned long long *bar, int rank,
-					      float2 v)
-{
-	asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, "
-		     "[%3];" ::"r"(rank_addr(local, rank)),
-		     "f"(v.x), "f"(v.y), "r"(rank_addr(bar, rank))
-		     : "memory");
-}
-#endif
-
 template <typename T, typename W, bool MEMEFF>
 __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 {
@@ -147,13 +58,16 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 	constexpr int WE = MEMEFF ? E : 1;
 	extern __shared__ __align__(128) uint4 stage[]; /* [stages][x, dy][sva] */
 	__shared__ TmaSmem sm;
-	const int t = threadIdx.x, G = blockDim.x, lane = t & 31, warp = t >> 5, nw = G >> 5;
-	const int K = p.K, S = p.stages, sva = (p.slice + 7) & ~7;
+	const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
+	const int K = p.K, S = p.stages, R = p.R, G = p.G;
+	const int g = t / G, tg = t % G; /* row of the stage, thread within the row */
+	const bool narrow = G <= 32;	  /* R rows a stage, a row on G lanes of a warp */
 	const int rank = cluster_rank(K), lo = rank * p.slice;
-	const int cnt = max(0, min(p.slice, p.nvec - lo)); /* this block's vectors */
-	const unsigned bytes = (unsigned)cnt * 16u;
+	const int cnt = max(0, min(p.slice, p.nvec - lo)); /* this block's vectors of a row */
+	const int sva = (R * p.slice + 7) & ~7;		   /* vectors of x (or dy) a stage */
+	const int64_t units = (p.rows + R - 1) / R;	   /* row groups */
 	const int64_t first = blockIdx.x / K, stride = gridDim.x / K;
-	const int64_t n = first < p.rows ? (p.rows - first + stride - 1) / stride : 0;
+	const int64_t n = first < units ? (units - first + stride - 1) / stride : 0;
 	const bool sums = p.f & (F_DGAMMA | F_DBETA), ln = p.f & F_LN;
 	const T *xs = static_cast<const T *>(p.x) + (int64_t)lo * VEC;
 	const T *ds = static_cast<const T *>(p.dy) + (int64_t)lo * VEC;
@@ -161,7 +75,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 
 #pragma unroll
 	for (int j = 0; j < NV; j++) {
-		const int lv = j * G + t;
+		const int lv = j * G + tg;
 		float *wg = gm + j * VEC;
 #pragma unroll
 		for (int i = 0; i < VEC; i++) {
@@ -193,7 +107,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 		for (int d = 0; d < TMA_SUM_SLOTS && K > 1; d++) {
 			mbarrier_init(&sm.sums[d], 1);
 			if (d < n) /* the K blocks' sums of row d */
-				mbarrier_expect(&sm.sums[d], 8u * K);
+				mbarrier_expect(&sm.sums[d], 16u * K);
 		}
 		mbarrier_init_fence();
 	}
@@ -203,9 +117,11 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 		cluster_wait();
 	}
 
-	/* Thread 0: the block's i-th row into stage k (= i % S). */
+	/* Thread 0: the block's i-th row group into stage k (= i % S). */
 	auto issue = [&](int64_t i, int k) {
-		const int64_t off = (first + i * stride) * p.cols;
+		const int64_t r0 = (first + i * stride) * R, off = r0 * p.cols;
+		const int64_t nr = p.rows - r0 < R ? p.rows - r0 : R;
+		const unsigned bytes = (unsigned)(K > 1 ? cnt : nr * p.nvec) * 16u;
 		uint4 *dst = stage + (size_t)k * 2 * sva;
 		mbarrier_expect(&sm.full[k], 2 * bytes);
 		if (bytes) {
@@ -213,11 +129,13 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 			bulk_load(dst + sva, ds + off, bytes, &sm.full[k]);
 		}
 	};
-	/* (mean, rstd) of the block's i-th row; mean only for standard LayerNorm. */
+	/* This thread's row of the block's i-th row group; >= rows past the end. */
+	auto row_of = [&](int64_t i) { return (first + i * stride) * R + g; };
+	/* (mean, rstd) of that row; mean only for standard LayerNorm. */
 	auto stats = [&](int64_t i) {
 		float2 st = make_float2(0.0f, 0.0f);
-		if (i < n) {
-			const int64_t row = first + i * stride;
+		if (i < n && row_of(i) < p.rows) {
+			const int64_t row = row_of(i);
 			if (ln && !MEMEFF)
 				st.x = p.mean[row];
 			st.y = p.rstd[row];
@@ -233,13 +151,14 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 	};
 	/* dx of the block's i-th row (in stage k), with m1 = mean(g) (LayerNorm), m2 = mean(g * xh). */
 	auto write_dx = [&](int64_t i, int k, float2 st, float m1, float m2) {
-		const uint4 *cur = stage + (size_t)k * 2 * sva;
-		uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.dx) +
-						       (first + i * stride) * p.cols) +
-			     lo;
+		const int64_t row = row_of(i);
+		if (row >= p.rows)
+			return;
+		const uint4 *cur = stage + (size_t)k * 2 * sva + (size_t)g * p.nvec;
+		uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.dx) + row * p.cols) + lo;
 #pragma unroll
 		for (int j = 0; j < NV; j++) {
-			const int lv = j * G + t;
+			const int lv = j * G + tg;
 			if (lv >= cnt)
 				continue;
 			float x[VEC], dy[VEC], dx[VEC];
@@ -266,14 +185,16 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 	for (int64_t i = 0; i < n; i++) {
 		const float2 nst = stats(i + 1);
 		const int slot = (int)(i & (TMA_SUM_SLOTS - 1)), prev = k > 0 ? k - 1 : S - 1;
-		const uint4 *cur = stage + (size_t)k * 2 * sva;
+		/* (narrow: rows of the last group past the end hold stale data, never used) */
+		const uint4 *cur = stage + (size_t)k * 2 * sva + (size_t)g * p.nvec;
+		const bool valid = row_of(i) < p.rows;
 		float s[2] = {0.0f, 0.0f};
 
 		mbarrier_wait(&sm.full[k], phase);
 #pragma unroll
 		for (int j = 0; j < NV; j++) {
-			const int lv = j * G + t;
-			if (lv >= cnt)
+			const int lv = j * G + tg;
+			if (lv >= cnt || !valid)
 				continue;
 			float x[VEC], dy[VEC];
 			unpack<T>(cur[lv], x);
@@ -291,13 +212,13 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 				}
 			}
 		}
-		butterfly<SumOp<2>>(s, 32);
-		if (lane == 0)
-			sm.warp[i & 1][warp] = make_float2(s[0], s[1]);
+		butterfly<SumOp<2>>(s, narrow ? G : 32);
+		if (!narrow && lane == 0)
+			sm.warp[i & 1][warp] = make_float4(s[0], s[1], 0.0f, 0.0f);
 		__syncthreads();
-		if (t == 0 && i + S - 2 < n) /* into the stage of row i - 2 */
+		if (t == 0 && i + S - 2 < n) /* into the stage of row group i - 2 */
 			issue(i + S - 2, k >= 2 ? k - 2 : k + S - 2);
-		if (warp == 0) {
+		if (!narrow && warp == 0) {
 			float v[2] = {0.0f, 0.0f};
 			if (lane < nw) {
 				v[0] = sm.warp[i & 1][lane].x;
@@ -306,24 +227,28 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 			butterfly<SumOp<2>>(v, lanes_for(nw));
 			broadcast_lane0<2>(v);
 			if (K == 1 && lane == 0)
-				sm.rank[slot][0] = make_float2(v[0], v[1]);
+				sm.rank[slot][0] = make_float4(v[0], v[1], 0.0f, 0.0f);
 			else if (K > 1 && lane < K)
 				store_to_rank(&sm.rank[slot][rank], &sm.sums[slot], lane,
-					      make_float2(v[0], v[1]));
+					      make_float4(v[0], v[1], 0.0f, 0.0f));
 		}
 		if (i > 0)
 			write_dx(i - 1, prev, pst, pm1, pm2);
-		if (K > 1) {
-			mbarrier_wait(&sm.sums[slot], (unsigned)(i / TMA_SUM_SLOTS) & 1u);
-			if (t == 0 && i + TMA_SUM_SLOTS < n) /* re-arm for the row D later */
-				mbarrier_expect(&sm.sums[slot], 8u * K);
-		} else {
-			__syncthreads();
-		}
-		float s0 = 0.0f, s1 = 0.0f;
-		for (int r = 0; r < K; r++) {
-			s0 += sm.rank[slot][r].x;
-			s1 += sm.rank[slot][r].y;
+		float s0 = s[0], s1 = s[1]; /* narrow: the group's butterfly summed the row */
+		if (!narrow) {
+			if (K > 1) {
+				mbarrier_wait(&sm.sums[slot], (unsigned)(i / TMA_SUM_SLOTS) & 1u);
+				if (t == 0 && i + TMA_SUM_SLOTS < n) /* re-arm for the row D later */
+					mbarrier_expect(&sm.sums[slot], 16u * K);
+			} else {
+				__syncthreads();
+			}
+			s0 = 0.0f;
+			s1 = 0.0f;
+			for (int r = 0; r < K; r++) {
+				s0 += sm.rank[slot][r].x;
+				s1 += sm.rank[slot][r].y;
+			}
 		}
 		pm1 = ln ? s0 * p.inv_cols : 0.0f;
 		pm2 = s1 * p.inv_cols;
@@ -338,10 +263,12 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 		write_dx(n - 1, k > 0 ? k - 1 : S - 1, pst, pm1, pm2);
 	if (!sums)
 		return;
-	float *pg = p.part + first * p.cols, *pb = p.part + (p.part_rows + first) * p.cols;
+	/* Partial row first * R + g: each row of a stage sums its own. */
+	const int64_t prow = first * R + g;
+	float *pg = p.part + prow * p.cols, *pb = p.part + (p.part_rows + prow) * p.cols;
 #pragma unroll
 	for (int j = 0; j < NV; j++) {
-		const int lv = j * G + t;
+		const int lv = j * G + tg;
 		if (lv >= cnt)
 			continue;
 		const int64_t col = (int64_t)(lo + lv) * VEC;
@@ -379,14 +306,14 @@ int launch_bwd_tma(const struct nk_norm_args *a, const struct nk_device_info *de
 {
 	Params p = params_of(a);
 	p.rg = rg;
-	p.G = s.threads;
+	p.G = s.G;
 	p.K = s.K;
-	p.R = 1;
-	p.iters = a->rows;
+	p.R = s.R;
+	p.iters = (a->rows + s.R - 1) / s.R;
 	p.part = part;
 	p.part_rows = partial_rows(a, s);
 	p.stages = s.stages;
-	const int64_t units = a->rows < s.units_cap ? a->rows : s.units_cap;
+	const int64_t units = p.iters < s.units_cap ? p.iters : s.units_cap;
 	const size_t smem = tma_stage_bytes(a, s);
 	const bool memeff = p.f & F_MEMEFF;
 	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {

@@ -147,7 +147,12 @@ int launch_bwd_smem_ring(const struct nk_norm_args *a, const struct nk_device_in
 /* tma_slice backward (norm_cuda_bwd_tma.cu, sm_90). */
 int launch_bwd_tma(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
 		   float *part, const float *rg, cudaStream_t stream);
-/* Dynamic shared memory of a tma_slice variant: `stages` rows of a block's slice of x and dy. */
+int launch_fwd_tma(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
+		   cudaStream_t stream);
+/*
+ * Dynamic shared memory of a tma_slice variant: `stages` rows of a block's
+ * slice of x and dy (backward), of x (forward, R rows a stage).
+ */
 size_t tma_stage_bytes(const struct nk_norm_args *a, const Shape &s);
 /* Dynamic shared memory of a block_smem variant (its slice of the row, two stages). */
 size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s);
@@ -453,6 +458,100 @@ template <int N> __device__ __forceinline__ void cp_async_wait()
 	asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+/*
+ * TMA primitives (sm_90; the tma_slice kernels, norm_cuda_*_tma.cu): bulk
+ * copies into shared memory that complete an mbarrier, and stores into the
+ * shared memory of another block of the cluster that complete its mbarrier.
+ */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define NKC_TMA 1
+#endif
+
+#ifdef NKC_TMA
+__device__ __forceinline__ unsigned shared_addr(const void *p)
+{
+	return (unsigned)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbarrier_init(unsigned long long *bar, unsigned count)
+{
+	asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(bar)), "r"(count)
+		     : "memory");
+}
+
+/* Makes initialized mbarriers visible to the async proxy (the bulk copies). */
+__device__ __forceinline__ void mbarrier_init_fence()
+{
+	asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+/* Arrives once, announcing `bytes` the phase's bulk copies will deliver. */
+__device__ __forceinline__ void mbarrier_expect(unsigned long long *bar, unsigned bytes)
+{
+	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+			 shared_addr(bar)),
+		     "r"(bytes)
+		     : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(unsigned long long *bar, unsigned parity)
+{
+	unsigned done;
+	do {
+		asm volatile("{\n\t.reg .pred p;\n\t"
+			     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+			     "selp.u32 %0, 1, 0, p;\n\t}"
+			     : "=r"(done)
+			     : "r"(shared_addr(bar)), "r"(parity)
+			     : "memory");
+	} while (!done);
+}
+
+/* `bytes` (a multiple of 16) from global to this block's shared memory. */
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes,
+					  unsigned long long *bar)
+{
+	asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+		     "[%0], [%1], %2, [%3];" ::"r"(shared_addr(dst)),
+		     "l"(src), "r"(bytes), "r"(shared_addr(bar))
+		     : "memory");
+}
+
+__device__ __forceinline__ void cluster_arrive()
+{
+	asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait()
+{
+	asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/* The address of `local` (shared memory) in the block of cluster rank `rank`. */
+__device__ __forceinline__ unsigned rank_addr(const void *local, int rank)
+{
+	unsigned remote;
+	asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+		     : "=r"(remote)
+		     : "r"(shared_addr(local)), "r"(rank));
+	return remote;
+}
+
+/*
+ * Stores v at `local` in the block of cluster rank `rank`, completing 16
+ * bytes of that block's mbarrier `bar` (its waiters then see v). Unlike a
+ * release barrier, it does not wait for this thread's earlier global stores.
+ */
+__device__ __forceinline__ void store_to_rank(float4 *local, unsigned long long *bar, int rank,
+					      float4 v)
+{
+	asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 "
+		     "[%0], {%1, %2, %3, %4}, [%5];" ::"r"(rank_addr(local, rank)),
+		     "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(rank_addr(bar, rank))
+		     : "memory");
+}
+#endif
+
 /* ---- host helpers ------------------------------------------------------------ */
 
 /*
@@ -593,8 +692,9 @@ constexpr int TMA_SUM_SLOTS = 4; /* rows whose cluster sums are in flight at onc
 struct TmaSmem {
 	unsigned long long full[TMA_MAX_STAGES]; /* mbarrier: stage k's copies landed */
 	unsigned long long sums[TMA_SUM_SLOTS];	 /* mbarrier: a row's K block sums landed */
-	float2 warp[2][MAX_THREADS / 32];	 /* row sums of each warp, by row parity */
-	float2 rank[TMA_SUM_SLOTS][TMA_MAX_CLUSTER]; /* row sums of each block of the cluster */
+	/* (16 bytes a block: bwd sum(g), sum(g * xh); fwd count, mean, M2) */
+	float4 warp[2][MAX_THREADS / 32];	 /* row sums of each warp, by row parity */
+	float4 rank[TMA_SUM_SLOTS][TMA_MAX_CLUSTER]; /* row sums of each block of the cluster */
 };
 
 /* Threads per block of the ring backward (bwd_smem_ring), at most. */

@@ -412,8 +412,12 @@ size_t tma_stage_bytes(const struct nk_norm_args *a, const Shape &s)
 {
 	const int64_t nvec = a->cols / vec_of(a);
 	const int64_t slice = (nvec + s.K - 1) / (s.K > 0 ? s.K : 1);
-	/* Each stage holds x and dy, each slice rounded to 128 bytes. */
-	return (size_t)s.stages * 2 * 16 * (size_t)((slice + 7) / 8 * 8);
+	/* Backward: x and dy, R rows (one block) or a slice, each rounded to 128 bytes. */
+	if (is_bwd(a))
+		return (size_t)s.stages * 2 * 16 * (size_t)((s.R * slice + 7) / 8 * 8);
+	/* Forward: R consecutive rows (one block a row), or a cluster block's slice. */
+	const int64_t rows = s.K > 1 ? (slice + 7) / 8 * 8 : (int64_t)s.R * nvec;
+	return (size_t)s.stages * 16 * (size_t)((rows + 7) / 8 * 8);
 }
 
 /*
@@ -443,17 +447,23 @@ static bool tma_shape_ok(const struct nk_norm_args *a, const struct nk_device_in
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
 	const size_t fixed = sizeof(TmaSmem) + 1024;
-	if (!is_bwd(a) || !tiled_layout_ok(a) || dev->cc_major < 9)
-		return false;
-	if (s.NV * vec != TMA_ELEMS || s.K < 1 || s.K > TMA_MAX_CLUSTER || s.R != 1)
+	if (!tiled_layout_ok(a) || dev->cc_major < 9 || s.K < 1 || s.K > TMA_MAX_CLUSTER)
 		return false;
 	if (s.stages < 3 || s.stages > TMA_MAX_STAGES || s.units_cap < 1)
 		return false;
 	if (s.threads < 64 || s.threads % 32 != 0 || s.threads > MAX_THREADS)
 		return false;
+	if (tma_stage_bytes(a, s) + fixed > dev->max_smem_per_block_optin)
+		return false;
+	if (!is_bwd(a)) /* rows of a warp's lanes (G a power of two <= 32), or a block a row */
+		return s.R == 1 ? s.G > 32 : s.K == 1 && s.G * s.R == s.threads && s.G <= 32 &&
+						     (s.G & (s.G - 1)) == 0;
 	const int64_t slice = (nvec + s.K - 1) / s.K;
-	return (int64_t)s.threads * s.NV >= slice &&
-	       tma_stage_bytes(a, s) + fixed <= dev->max_smem_per_block_optin;
+	if (s.NV * vec != TMA_ELEMS || (int64_t)s.G * s.NV < slice)
+		return false;
+	/* As forward: R rows on G lanes each (a power of two <= 32), or a block (of a cluster) a row. */
+	return s.R == 1 ? s.G > 32 : s.K == 1 && s.G * s.R == s.threads && s.G <= 32 &&
+					 (s.G & (s.G - 1)) == 0;
 }
 
 /*
@@ -467,17 +477,58 @@ static bool tma_variant(const struct nk_norm_args *a, const struct nk_device_inf
 {
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
-	const int nv = TMA_ELEMS / vec;
-	if (K < 1 || K > TMA_MAX_CLUSTER || per_sm < 1 || per_sm > 2)
+	int nv = TMA_ELEMS / vec, R = 1;
+	if (K < 1 || K > TMA_MAX_CLUSTER || per_sm < 1 || per_sm > 2 || nvec < 1 ||
+	    !tiled_layout_ok(a) || dev->cc_major < 9)
 		return false;
 	const int64_t slice = (nvec + K - 1) / K;
-	const int64_t threads = ((slice + nv - 1) / nv + 31) / 32 * 32;
-	if (threads > MAX_THREADS || (per_sm == 2 && threads > MAX_THREADS / 2))
+	int64_t threads = ((slice + nv - 1) / nv + 31) / 32 * 32;
+	if (!is_bwd(a)) {
+		/*
+		 * Forward keeps no row in registers. Rows of up to 15 vectors a
+		 * lane (4 bits of param) on at most 32 lanes share a warp (K = 1, about four vectors
+		 * a lane), R of them a stage of at most 64 KB (32 KB for two
+		 * blocks a multiprocessor); wider rows take a block (of a cluster)
+		 * each, about four vectors a thread.
+		 */
+		const int64_t G = pow2_ceil((slice + 3) / 4) < 32 ? pow2_ceil((slice + 3) / 4) : 32;
+		const int64_t stage_max = (int64_t)65536 / per_sm;
+		threads = MAX_THREADS / per_sm;
+		if (K == 1 && (slice + G - 1) / G <= 15) {
+			int64_t r = stage_max / (slice * 16);
+			r = r < threads / G ? r : threads / G;
+			R = (int)(r > 1 ? r : 1);
+			threads = R * G;
+			if (threads % 32 != 0)
+				return false;
+		} else {
+			const int64_t want = ((slice + 3) / 4 + 31) / 32 * 32;
+			threads = want < MAX_THREADS ? want : MAX_THREADS;
+		}
+		nv = (int)((slice + threads / R - 1) / (threads / R)); /* the kernel loops over them */
+		if (nv > 15)
+			return false;
+	}
+	if (is_bwd(a) && K == 1 && threads <= 32) {
+		/*
+		 * Rows of at most 32 lanes (bf16 512, fp32 512 columns and less):
+		 * R of them a stage of at most 64 KB (32 KB for two blocks a
+		 * multiprocessor), a warp's lanes split into rows.
+		 */
+		const int64_t G = pow2_ceil((slice + nv - 1) / nv);
+		const int64_t r = (int64_t)65536 / per_sm / (2 * slice * 16);
+		const int64_t rmax = MAX_THREADS / per_sm / G;
+		R = (int)(r < rmax ? (r > 1 ? r : 1) : rmax);
+		threads = R * G;
+		if (threads % 32 != 0)
+			return false;
+	}
+	if (threads > MAX_THREADS || (is_bwd(a) && per_sm == 2 && threads > MAX_THREADS / 2))
 		return false;
 	memset(v, 0, sizeof(*v));
 	v->family = NK_FAMILY_TMA_SLICE;
 	v->threads = (uint16_t)threads;
-	v->rows_per_block = 1;
+	v->rows_per_block = (uint16_t)R;
 	v->vec_elems = (uint16_t)vec;
 	const size_t share = REF_SMEM_PER_SM / (size_t)per_sm - sizeof(TmaSmem) - 1024;
 	for (int st = TMA_STAGES; st >= 3; st--) {
@@ -602,6 +653,8 @@ static int dispatch(const struct nk_norm_args *a, const struct nk_device_info *d
 	if (!is_bwd(a)) {
 		if (s.family == NK_FAMILY_GENERIC)
 			return launch_fwd_generic(a, dev, s, stream);
+		if (s.family == NK_FAMILY_TMA_SLICE)
+			return launch_fwd_tma(a, dev, s, stream);
 		if (s.family == NK_FAMILY_BLOCK_SMEM)
 			return launch_fwd_smem(a, dev, s, stream);
 		return launch_fwd_tiled(a, dev, s, stream);
@@ -735,13 +788,46 @@ static bool tma_bwd_default(const struct nk_norm_args *a, const struct nk_device
 	return K <= TMA_MAX_CLUSTER && tma_variant(a, dev, (int)K, 1, v);
 }
 
+/*
+ * The sm_90 defaults of tma_slice rows on a warp's lanes (one block of 512
+ * threads a multiprocessor), where they beat the tiled kernels on the H100
+ * (BENCHMARKS.md, 2026-11-22): forward rows of 16 to 32 vectors (measured
+ * at 128 columns: bf16 85-86% -> 88%, fp32 85% -> 91% of copy bandwidth),
+ * fp32 backward rows of 65 to 128 vectors (measured at 512 columns: 84-87%
+ * -> 95%, memory-efficient included).
+ */
+static bool tma_narrow_default(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			       struct nk_variant *v)
+{
+	const int64_t nvec = a->cols / vec_of(a);
+	const bool fwd_rows = !is_bwd(a) && nvec >= 16 && nvec <= 32;
+	const bool bwd_rows = is_bwd(a) && vec_of(a) == 4 && nvec > 64 && nvec <= 128;
+	return (fwd_rows || bwd_rows) && tma_variant(a, dev, 1, 1, v);
+}
+
+/*
+ * Vectors a thread of the default tiled kernel holds: the most, except for
+ * RMSNorm forward of 16-bit rows of 128 to 512 vectors (1024 to 4096
+ * columns), where two a thread (more threads a row) measured 91-94% of copy
+ * bandwidth against 89-92% with four on the H100 (BENCHMARKS.md), and
+ * beat PyTorch's RMSNorm, which four did not at 1024 and 2048 columns.
+ */
+static int default_nv(const struct nk_norm_args *a)
+{
+	const int64_t nvec = a->cols / vec_of(a);
+	if (a->op == NK_RMSNORM_FWD && vec_of(a) == 8 && nvec >= 128 && nvec <= 512)
+		return 2;
+	return max_nv(a);
+}
+
 int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_device_info *dev,
 			    struct nk_variant *out)
 {
 	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
 		return NK_EINVAL;
-	int nv = max_nv(args);
-	if (fp32_bwd_default(args, dev, out) || tma_bwd_default(args, dev, out))
+	int nv = default_nv(args);
+	if (fp32_bwd_default(args, dev, out) || tma_bwd_default(args, dev, out) ||
+	    tma_narrow_default(args, dev, out))
 		return NK_OK;
 	if (tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) &&
 	    fwd_prefers_smem(args, out)) {
@@ -815,7 +901,25 @@ static int add_tma_candidates(const struct nk_norm_args *a, const struct nk_devi
 	struct nk_variant all[12];
 	int warps[12], m = 0;
 
-	if (!is_bwd(a) || a->cols / vec_of(a) <= 512)
+	if (!is_bwd(a)) { /* one block a row (group), then clusters of 2 and 4 past 1024 vectors */
+		for (int k = 0; k < 6 && n < max; k++) {
+			const int K = 1 << (k / 2);
+			if (K > 1 && a->cols / vec_of(a) <= 1024)
+				break;
+			if (tma_variant(a, dev, K, 1 + k % 2, &out[n]) &&
+			    memcmp(&out[n], &out[0], sizeof(out[0])) != 0)
+				n++;
+		}
+		return n;
+	}
+	if (a->cols / vec_of(a) <= 32 * (TMA_ELEMS / vec_of(a))) { /* rows of a warp's lanes */
+		for (int per_sm = 1; per_sm <= 2 && n < max; per_sm++) {
+			if (tma_variant(a, dev, 1, per_sm, &out[n]))
+				n++;
+		}
+		return n;
+	}
+	if (a->cols / vec_of(a) <= 512)
 		return n;
 	for (int k = 0; k < 6; k++) {
 		for (int per_sm = 1; per_sm <= 2; per_sm++) {

@@ -573,16 +573,14 @@ static const struct combo rms_bwd[] = {
 };
 
 /*
- * NORM_GPU_TEST_COLS="12288,32768" limits a run to backward cases of those
- * widths (for a quick look at new backward kernels); unset, all run.
+ * NORM_GPU_TEST_COLS="12288,32768" limits a run to the cases of those
+ * widths (for a quick look at new kernels); unset, all run.
  */
-static bool selected(enum nk_op op, int64_t cols)
+static bool selected(int64_t cols)
 {
 	const char *only = getenv("NORM_GPU_TEST_COLS");
 	if (!only || !*only)
 		return true;
-	if (op != NK_LAYERNORM_BWD && op != NK_RMSNORM_BWD)
-		return false;
 	for (const char *p = only; *p;) {
 		char *end;
 		long long v = strtoll(p, &end, 10);
@@ -598,7 +596,7 @@ static bool selected(enum nk_op op, int64_t cols)
 static void run_op(enum nk_op op, const struct combo *cb, int ncb, int64_t rows, int64_t cols,
 		   int offset)
 {
-	if (!selected(op, cols))
+	if (!selected(cols))
 		return;
 	for (size_t p = 0; p < sizeof(pairs) / sizeof(pairs[0]); p++) {
 		for (int k = 0; k < ncb; k++) {
@@ -732,6 +730,13 @@ int main(void)
 	 */
 	run_op(NK_LAYERNORM_BWD, ln_bwd, 7, 37, 8200, 0);
 	run_op(NK_RMSNORM_BWD, rms_bwd, 4, 3, 24584, 0);
+	/*
+	 * tma_slice rows of a warp's lanes: more row groups than blocks, the
+	 * last group short (10007 = 156 * 64 + 23 rows of 128 columns).
+	 */
+	run_op(NK_LAYERNORM_BWD, ln_bwd, 7, 10007, 128, 0);
+	run_op(NK_RMSNORM_BWD, rms_bwd, 4, 2085, 512, 0);
+	run_op(NK_LAYERNORM_FWD, ln_fwd, 4, 10007, 512, 0);
 	run_nan_cases();
 	run_fallback_case();
 
