@@ -20,19 +20,20 @@
  *      `rank` of row slot i % D of every block of the cluster with st.async
  *      (distributed shared memory), each store completing 16 bytes of that
  *      block's mbarrier sums[i % D];
- *   4. dx of row i - 1, whose sums step 5 of the previous row fetched;
- *   5. wait for sums[i % D] (all K blocks' sums of row i); sum the K
- *      slots in rank order.
- * The exchange's latency hides behind step 4. It uses no cluster barrier:
+ *   4. wait for sums[(i - 1) % D] (all K blocks' sums of row i - 1, sent a
+ *      row ago), sum the K slots in rank order, write dx of row i - 1.
+ * The exchange has a whole row to land, so a block that runs up to a row
+ * ahead of its peers does not wait for them. It uses no cluster barrier:
  * a release barrier would also wait for every dx store still in flight
  * (measured: a cluster of 2 ran at half the speed of one block). A block
- * stores row i + D's sums into a peer only after it has received the
- * peer's sums of row i + D - 1, which the peer sends after consuming row
- * i + D - 3 and earlier (step 4 of row i + D - 2 uses them), so with
- * D = TMA_SUM_SLOTS = 4 slots no store overtakes a read. Three stages are
- * the least (rows i - 1 and i are held); more keep stages - 2 rows in
- * flight. A block of its own (K = 1) exchanges through its own slot and
- * a block barrier.
+ * stores row j + D's sums into a peer only after it has received the
+ * peer's sums of row j + D - 2, which the peer sends (step 3 of row
+ * j + D - 2) after it has read the slots of row j (step 4 of row j + 1),
+ * so with D = TMA_SUM_SLOTS = 4 slots no store overtakes a read. Three
+ * stages are the least (rows i - 1 and i are held); more keep stages - 2
+ * rows in flight. A block of its own (K = 1) exchanges through its own
+ * slot, which the next row's block barrier publishes. Narrow rows (R > 1)
+ * have their sums from the group's butterfly and skip steps 3 and 4's wait.
  *
  * At the end each block writes its slice of the cluster's dgamma/dbeta
  * sums as partial row `first` (the grid is min(rows, units_cap) clusters,
@@ -178,8 +179,30 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 		for (int i = 0; i < n && i < S - 2; i++)
 			issue(i, i);
 	}
+	/*
+	 * Row j's sums (waiting for the cluster's, wide rows) and its dx;
+	 * narrow rows pass their own sums in s0, s1.
+	 */
+	auto finish = [&](int64_t j, int k, float2 st, float s0, float s1) {
+		if (!narrow) {
+			const int slot = (int)(j & (TMA_SUM_SLOTS - 1));
+			if (K > 1) {
+				mbarrier_wait(&sm.sums[slot], (unsigned)(j / TMA_SUM_SLOTS) & 1u);
+				if (t == 0 && j + TMA_SUM_SLOTS < n) /* re-arm for the row D later */
+					mbarrier_expect(&sm.sums[slot], 16u * K);
+			}
+			s0 = 0.0f;
+			s1 = 0.0f;
+			for (int r = 0; r < K; r++) {
+				s0 += sm.rank[slot][r].x;
+				s1 += sm.rank[slot][r].y;
+			}
+		}
+		write_dx(j, k, st, ln ? s0 * p.inv_cols : 0.0f, s1 * p.inv_cols);
+	};
+
 	float2 cst = stats(0), pst = make_float2(0.0f, 0.0f);
-	float pm1 = 0.0f, pm2 = 0.0f;
+	float ps0 = 0.0f, ps1 = 0.0f; /* narrow: row i - 1's sums */
 	int k = 0;	      /* stage of row i: i % S, kept without 64-bit division */
 	unsigned phase = 0;   /* parity of stage k's mbarrier phase for row i */
 	for (int64_t i = 0; i < n; i++) {
@@ -233,25 +256,9 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 					      make_float4(v[0], v[1], 0.0f, 0.0f));
 		}
 		if (i > 0)
-			write_dx(i - 1, prev, pst, pm1, pm2);
-		float s0 = s[0], s1 = s[1]; /* narrow: the group's butterfly summed the row */
-		if (!narrow) {
-			if (K > 1) {
-				mbarrier_wait(&sm.sums[slot], (unsigned)(i / TMA_SUM_SLOTS) & 1u);
-				if (t == 0 && i + TMA_SUM_SLOTS < n) /* re-arm for the row D later */
-					mbarrier_expect(&sm.sums[slot], 16u * K);
-			} else {
-				__syncthreads();
-			}
-			s0 = 0.0f;
-			s1 = 0.0f;
-			for (int r = 0; r < K; r++) {
-				s0 += sm.rank[slot][r].x;
-				s1 += sm.rank[slot][r].y;
-			}
-		}
-		pm1 = ln ? s0 * p.inv_cols : 0.0f;
-		pm2 = s1 * p.inv_cols;
+			finish(i - 1, prev, pst, ps0, ps1);
+		ps0 = s[0]; /* narrow: the group's butterfly summed the row */
+		ps1 = s[1];
 		pst = cst;
 		cst = nst;
 		if (++k == S) {
@@ -259,8 +266,11 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 			phase ^= 1u;
 		}
 	}
-	if (n > 0)
-		write_dx(n - 1, k > 0 ? k - 1 : S - 1, pst, pm1, pm2);
+	if (n > 0) {
+		if (!narrow && K == 1)
+			__syncthreads(); /* warp 0 stored the last row's sums after the last barrier */
+		finish(n - 1, k > 0 ? k - 1 : S - 1, pst, ps0, ps1);
+	}
 	if (!sums)
 		return;
 	/* Partial row first * R + g: each row of a stage sums its own. */

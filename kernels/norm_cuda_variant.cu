@@ -769,23 +769,33 @@ static bool fp32_bwd_default(const struct nk_norm_args *a, const struct nk_devic
 }
 
 /*
- * The sm_90 backward default for rows of more than 1024 vectors (bf16 or
- * fp16 wider than 8192 columns, fp32 wider than 4096): tma_slice on the
+ * The sm_90 backward default for rows of 1024 vectors and more (bf16 or
+ * fp16 from 8192 columns, fp32 from 4096 unless fp32_bwd_default took it;
+ * bf16 8192: 95-98% against 92-93% tiled in four of five runs): tma_slice on the
  * fewest blocks a row whose slices fit 512 threads, one block a
- * multiprocessor. On the H100 (BENCHMARKS.md, 2026-11-22) it ran at 90-98%
- * of copy bandwidth from 8192 to 32768 columns, memory-efficient
- * included, where block_smem and the split rows ran at 55-86%.
- * (fp32 memory-efficient rows up to 8192 columns keep fp32_bwd_default.)
+ * multiprocessor. Where that leaves fewer than 512 threads (16 warps) a
+ * multiprocessor, the fewest blocks (at most 4) whose slices fit 256
+ * threads, two blocks a multiprocessor: at bf16 12288 columns a cluster
+ * of 3 such blocks ran at 87-93% of copy bandwidth in four runs, 2 blocks
+ * of 384 threads at 84-96%. On the H100 (BENCHMARKS.md, 2026-11-22) the
+ * defaults ran at 85-98% from 8192 to 32768 columns, memory-efficient
+ * included, where block_smem and the split rows ran at 55-86%. (fp32
+ * memory-efficient rows up to 8192 columns keep fp32_bwd_default.)
  */
 static bool tma_bwd_default(const struct nk_norm_args *a, const struct nk_device_info *dev,
 			    struct nk_variant *v)
 {
-	const int64_t nvec = a->cols / vec_of(a);
-	const int64_t per_block = (int64_t)MAX_THREADS * (TMA_ELEMS / vec_of(a));
-	if (!is_bwd(a) || dev->cc_major < 9 || nvec <= 1024)
+	const int64_t nvec = a->cols / vec_of(a), nv = TMA_ELEMS / vec_of(a);
+	if (!is_bwd(a) || dev->cc_major < 9 || nvec < 1024)
 		return false;
-	const int64_t K = (nvec + per_block - 1) / per_block;
-	return K <= TMA_MAX_CLUSTER && tma_variant(a, dev, (int)K, 1, v);
+	const int64_t K = (nvec + MAX_THREADS * nv - 1) / (MAX_THREADS * nv);
+	if (K > TMA_MAX_CLUSTER || !tma_variant(a, dev, (int)K, 1, v))
+		return false;
+	const int64_t K2 = (nvec + MAX_THREADS / 2 * nv - 1) / (MAX_THREADS / 2 * nv);
+	struct nk_variant two;
+	if (v->threads < MAX_THREADS && K2 <= 4 && tma_variant(a, dev, (int)K2, 2, &two))
+		*v = two;
+	return true;
 }
 
 /*
