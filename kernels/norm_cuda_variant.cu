@@ -22,10 +22,14 @@
  *   - other backward rows wider than one block are split: a row-sums
  *     kernel, then K column slices of up to 16 independent blocks (also on
  *     sm_80); clusters stay autotuning candidates;
+ *   - on sm_90, tma_slice (norm_cuda_*_tma.cu) takes backward rows of 1024
+ *     vectors and more (tma_bwd_default), fp32 backward rows of 65-128
+ *     vectors and forward rows of 16-32 (tma_narrow_default), where it
+ *     measured faster on the H100; fp32 rows of fp32_bwd_default keep it;
  *   - the backward grid is capped by units_cap, computed for a reference
- *     device of REF_SMS multiprocessors and never from the actual one, so the
- *     partial rows (hence the weight gradients' bits) depend on the shape and
- *     the variant alone.
+ *     device of REF_SMS multiprocessors (tma_slice: the clusters an H100 SXM
+ *     holds) and never from the actual one, so the partial rows (hence the
+ *     weight gradients' bits) depend on the shape and the variant alone.
  *
  * Host code only; built by `make` with the other kernels/ CUDA files.
  */
