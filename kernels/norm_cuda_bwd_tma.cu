@@ -4,7 +4,9 @@
  *
  * A cluster of K blocks owns one row at a time, block r the contiguous
  * column slice r of it (`slice` vectors), and walks rows first, first +
- * units, ... Thread t of a block owns the slice's vectors j * G + t
+ * units, ... (Rows of at most 32 lanes: one block owns R consecutive rows
+ * at a time, a row on G lanes of a warp; "row" below is then the group of
+ * R.) Thread tg of a row's G threads owns the slice's vectors j * G + tg
  * (TMA_ELEMS elements in all): their weights and dgamma/dbeta sums stay in
  * registers for the whole kernel. One thread copies each row's slice of x
  * (or y) and dy into shared memory with TMA bulk copies, `stages` rows
@@ -36,9 +38,10 @@
  * have their sums from the group's butterfly and skip steps 3 and 4's wait.
  *
  * At the end each block writes its slice of the cluster's dgamma/dbeta
- * sums as partial row `first` (the grid is min(rows, units_cap) clusters,
- * a rule of the shape and variant), summed by launch_finish in a fixed
- * order, so the weight gradients are bit-identical on every run.
+ * sums as partial row first * R + g (the grid is min(row groups,
+ * units_cap) clusters, a rule of the shape and variant), summed by
+ * launch_finish in a fixed order, so the weight gradients are
+ * bit-identical on every run.
  *
  * Needs 16-byte aligned tensors and cols % VEC == 0 (the variant rules
  * check it). Built for sm_90 (the sm_80 build traps; the rules never pick

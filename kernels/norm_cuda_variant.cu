@@ -213,6 +213,7 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 
 	if (!tiled_layout_ok(a))
 		return false;
+	split = split && is_bwd(a); /* forward rows never split: clusters (sm_90) only */
 	if (block_max > block_limit(a, dev))
 		block_max = block_limit(a, dev);
 	if (warp_threads > block_limit(a, dev))
@@ -222,7 +223,7 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 		nv = pow2_ceil((nvec + G - 1) / G);
 		R = warp_threads / G;
 	} else {
-		const int kmax = split && is_bwd(a) ? MAX_SLICES : MAX_CLUSTER;
+		const int kmax = split ? MAX_SLICES : MAX_CLUSTER;
 		while (K <= kmax && nvec > (int64_t)block_max * nv * K)
 			K *= 2;
 		if (K > kmax || (K > 1 && !split && dev->cc_major < 9))
@@ -236,7 +237,7 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 	v->threads = (uint16_t)(G * R);
 	v->rows_per_block = (uint16_t)R;
 	v->vec_elems = (uint16_t)vec;
-	split = split && K > 1 && is_bwd(a);
+	split = split && K > 1;
 	v->param = shape_param(nv, K, is_bwd(a) ? bwd_units_cap(G * R, nv * vec, K) : 0, split);
 	return true;
 }
@@ -869,6 +870,18 @@ int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_dev
 	return NK_OK;
 }
 
+/* Appends v to out[0..n) unless it is listed already or out is full; the new count. */
+static int append_new(struct nk_variant *out, int n, int max, const struct nk_variant *v)
+{
+	for (int i = 0; i < n; i++) {
+		if (memcmp(&out[i], v, sizeof(*v)) == 0)
+			return n;
+	}
+	if (n < max)
+		out[n++] = *v;
+	return n;
+}
+
 /*
  * Appends up to four ring backward shapes (bwd_smem_ring) to out[0..n),
  * for rows of more than 1024 vectors (bf16 12288, fp32 8192 and wider):
@@ -895,7 +908,7 @@ static int add_ring_candidates(const struct nk_norm_args *a, const struct nk_dev
 		const Shape s = shape_of(&v);
 		if (!staged && s.prefetch == nv && (K == 1 || v.threads <= SMEM_CLUSTER_MAX_THREADS))
 			continue;
-		out[n++] = v;
+		n = append_new(out, n, max, &v);
 		added++;
 	}
 	return n;
@@ -912,24 +925,23 @@ static int add_tma_candidates(const struct nk_norm_args *a, const struct nk_devi
 			      struct nk_variant *out, int n, int max)
 {
 	static const int ks[] = {1, 2, 3, 4, 6, 8};
-	struct nk_variant all[12];
+	struct nk_variant all[12], v;
 	int warps[12], m = 0;
 
 	if (!is_bwd(a)) { /* one block a row (group), then clusters of 2 and 4 past 1024 vectors */
-		for (int k = 0; k < 6 && n < max; k++) {
+		for (int k = 0; k < 6; k++) {
 			const int K = 1 << (k / 2);
 			if (K > 1 && a->cols / vec_of(a) <= 1024)
 				break;
-			if (tma_variant(a, dev, K, 1 + k % 2, &out[n]) &&
-			    memcmp(&out[n], &out[0], sizeof(out[0])) != 0)
-				n++;
+			if (tma_variant(a, dev, K, 1 + k % 2, &v))
+				n = append_new(out, n, max, &v);
 		}
 		return n;
 	}
 	if (a->cols / vec_of(a) <= 32 * (TMA_ELEMS / vec_of(a))) { /* rows of a warp's lanes */
-		for (int per_sm = 1; per_sm <= 2 && n < max; per_sm++) {
-			if (tma_variant(a, dev, 1, per_sm, &out[n]))
-				n++;
+		for (int per_sm = 1; per_sm <= 2; per_sm++) {
+			if (tma_variant(a, dev, 1, per_sm, &v))
+				n = append_new(out, n, max, &v);
 		}
 		return n;
 	}
@@ -952,11 +964,7 @@ static int add_tma_candidates(const struct nk_norm_args *a, const struct nk_devi
 		if (best < 0)
 			break;
 		warps[best] = 0;
-		bool seen = false;
-		for (int i = 0; i < n; i++)
-			seen = seen || memcmp(&out[i], &all[best], sizeof(all[best])) == 0;
-		if (!seen)
-			out[n++] = all[best];
+		n = append_new(out, n, max, &all[best]);
 	}
 	return n;
 }
@@ -994,30 +1002,19 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 				  is_bwd(args) ? MAX_THREADS : SMEM_FWD_MAX_THREADS, &v) ||
 		    v.threads < 128)
 			continue;
-		bool seen = false;
-		for (int i = 0; i < n; i++)
-			seen = seen || memcmp(&out[i], &v, sizeof(v)) == 0;
 		staged++;
-		if (!seen)
-			out[n++] = v;
+		n = append_new(out, n, max, &v);
 	}
 	n = add_ring_candidates(args, dev, out, n, max);
 	for (int nv = max_nv(args); nv >= 1 && n < max; nv /= 2) {
 		for (int k = 0; k < 12 && n < max; k++) {
 			int wt = 128 << (k % 3), bm = k % 6 < 3 ? MAX_THREADS : 256;
-			if (!tiled_variant(args, dev, nv, wt, bm, k >= 6, &v))
-				continue;
-			bool seen = false;
-			for (int i = 0; i < n; i++)
-				seen = seen || memcmp(&out[i], &v, sizeof(v)) == 0;
-			if (!seen)
-				out[n++] = v;
+			if (tiled_variant(args, dev, nv, wt, bm, k >= 6, &v))
+				n = append_new(out, n, max, &v);
 		}
 	}
 	generic_variant(args, &v);
-	if (n < max && memcmp(&out[0], &v, sizeof(v)) != 0)
-		out[n++] = v;
-	return n;
+	return append_new(out, n, max, &v);
 }
 
 bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_device_info *dev,
