@@ -276,7 +276,11 @@ static float worker_time_variant(struct cuda_worker *w, const struct nk_norm_arg
 	return best;
 }
 
-/* Points every tensor the job uses at scratch memory laid out after `base`. */
+/*
+ * The scratch bytes the tensors the job uses take, laid out one after the
+ * other; with `base`, also points them there (without, a sizing pass that
+ * leaves the job as it is).
+ */
 static size_t autotune_layout(struct nk_norm_args *a, char *base)
 {
 	size_t wide = (size_t)a->rows * (size_t)a->cols * nk_dtype_size(a->dtype);
@@ -286,7 +290,8 @@ static size_t autotune_layout(struct nk_norm_args *a, char *base)
 #define AUTOTUNE_PLACE(field, bytes)                                                       \
 	do {                                                                               \
 		if (a->field) {                                                            \
-			*(void **)&a->field = base ? base + used : NULL;                   \
+			if (base)                                                          \
+				*(void **)&a->field = base + used;                         \
 			used += ((bytes) + 255) & ~(size_t)255;                             \
 		}                                                                          \
 	} while (0)
@@ -340,12 +345,18 @@ static int autotune_job(struct cuda_worker *w, const struct nk_norm_args *job,
 	}
 	cudaStreamSynchronize(w->stream);
 	cudaFree(scratch);
+	if (best_ms < 0) {
+		log_warn("event=autotune_failed device=%d op=%s cols=%lld candidates=%d: none "
+			 "could be timed, keeping the rule's variant",
+			 w->dev->ordinal, nk_op_name(job->op), (long long)job->cols, n);
+		return -1;
+	}
 	char name[48];
 	nk_variant_name(best, name, sizeof(name));
 	log_info("event=autotune device=%d op=%s cols=%lld candidates=%d best=%s ms=%.4f",
 		 w->dev->ordinal, nk_op_name(job->op), (long long)job->cols, n, name,
 		 (double)best_ms);
-	return best_ms >= 0 ? 0 : -1;
+	return 0;
 }
 
 /* The variant for a job: from the cache, else by rule or by timing. */

@@ -295,6 +295,38 @@ static int variants_listed(void *arg)
 	return 0;
 }
 
+/*
+ * normd --autotune times the candidates of a new key on scratch memory and
+ * keeps the fastest: the cache lists the key with source "autotune" (until
+ * session 3 a sizing pass cleared the scratch pointers, every candidate
+ * failed, and the rule's variant was kept without a word). The job itself
+ * is still checked against the reference. `arg` is the daemon's socket.
+ */
+static int autotuned(void *arg)
+{
+	nc_conn *conn = gpu_test_connect((const char *)arg, "autotune");
+	CHECK(conn, "no connection");
+	char variant[64] = "";
+	struct jobkit_spec spec = {.op = NC_LAYERNORM_BWD, .rows = 64, .cols = 16384,
+				   .dtype = NC_BF16, .gamma = true, .beta = true, .seed = 31,
+				   .on_device = true};
+	CHECK(run_checked(conn, &spec, variant) == 0, "job failed");
+	struct nc_variant_info *list;
+	size_t n;
+	CHECK(nc_variants_get(conn, 10000, &list, &n) == NC_OK, "variants: %s", nc_last_error());
+	const char *source = "(not listed)";
+	for (size_t i = 0; i < n; i++) {
+		if (list[i].cols == 16384 && list[i].op == NC_LAYERNORM_BWD)
+			source = list[i].source;
+	}
+	printf("  autotuned variant %s, source %s\n", variant, source);
+	bool tuned = strcmp(source, "autotune") == 0;
+	nc_variants_free(list);
+	nc_close(conn);
+	CHECK(tuned, "the key's variant was not autotuned");
+	return 0;
+}
+
 /* WGRAD_ACCUM through cuBLAS against the reference, then accumulating twice. */
 static int wgrad_jobs(void *arg)
 {
@@ -425,5 +457,17 @@ int main(void)
 		test_daemon_dump_log(&daemon_);
 	int rc = test_daemon_stop(&daemon_);
 	report("daemon alive and exits 0 on SIGTERM", alive && rc == 0 ? 0 : 1);
+
+	static const char *const tune[] = {"--autotune", NULL};
+	struct test_daemon tuning;
+	int failed_before = gpu_tests_failed;
+	if (test_daemon_start_on(&tuning, "0", tune) != 0) {
+		report("autotuning keeps the fastest candidate", 1);
+	} else {
+		report("autotuning keeps the fastest candidate", in_child(autotuned, tuning.socket));
+		if (gpu_tests_failed > failed_before)
+			test_daemon_dump_log(&tuning);
+		report("autotuning daemon exits 0 on SIGTERM", test_daemon_stop(&tuning) == 0 ? 0 : 1);
+	}
 	return gpu_test_summary("test_ipc");
 }
