@@ -146,12 +146,12 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 		}
 		return st;
 	};
-	auto terms = [&](float xv, float dyv, int e, float2 st, float &xh, float &g) {
+	auto terms = [&](float xv, float dyv, int e, float2 st, float &xh, float &gg) {
 		if constexpr (MEMEFF)
 			xh = (xv - bt[e]) * rg[e];
 		else
 			xh = (xv - st.x) * st.y;
-		g = dyv * gm[e];
+		gg = dyv * gm[e];
 	};
 	/* dx of the block's i-th row (in stage k), with m1 = mean(g) (LayerNorm), m2 = mean(g * xh). */
 	auto write_dx = [&](int64_t i, int k, float2 st, float m1, float m2) {
@@ -170,9 +170,9 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 			unpack<T>(cur[sva + lv], dy);
 #pragma unroll
 			for (int i2 = 0; i2 < VEC; i2++) {
-				float xh, g;
-				terms(x[i2], dy[i2], j * VEC + i2, st, xh, g);
-				dx[i2] = st.y * (g - m1 - xh * m2);
+				float xh, gg; /* x_hat and dy * gamma */
+				terms(x[i2], dy[i2], j * VEC + i2, st, xh, gg);
+				dx[i2] = st.y * (gg - m1 - xh * m2);
 			}
 			__stcs(out + lv, pack<T>(dx));
 		}
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 		if (!narrow) {
 			const int slot = (int)(j & (TMA_SUM_SLOTS - 1));
 			if (K > 1) {
-				mbarrier_wait(&sm.sums[slot], (unsigned)(j / TMA_SUM_SLOTS) & 1u);
+				mbarrier_wait_cluster(&sm.sums[slot], (unsigned)(j / TMA_SUM_SLOTS) & 1u);
 				if (t == 0 && j + TMA_SUM_SLOTS < n) /* re-arm for the row D later */
 					mbarrier_expect(&sm.sums[slot], 16u * K);
 			}
@@ -228,10 +228,10 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 #pragma unroll
 			for (int i2 = 0; i2 < VEC; i2++) {
 				const int e = j * VEC + i2;
-				float xh, g;
-				terms(x[i2], dy[i2], e, cst, xh, g);
-				s[0] += g;
-				s[1] += g * xh;
+				float xh, gg;
+				terms(x[i2], dy[i2], e, cst, xh, gg);
+				s[0] += gg;
+				s[1] += gg * xh;
 				if (sums) {
 					ag[e] += dy[i2] * xh;
 					ab[e] += dy[i2];
@@ -276,7 +276,11 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 	}
 	if (!sums)
 		return;
-	/* Partial row first * R + g: each row of a stage sums its own. */
+	/*
+	 * Partial row first * R + g: each row of a stage sums its own. (The grid
+	 * is min(row groups, units_cap) clusters, so every cluster has a row
+	 * group and partial_rows() counts exactly these rows.)
+	 */
 	const int64_t prow = first * R + g;
 	float *pg = p.part + prow * p.cols, *pb = p.part + (p.part_rows + prow) * p.cols;
 #pragma unroll

@@ -130,10 +130,11 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) fwd_tma(const Params p)
 
 		mbarrier_wait(&sm.full[k], phase);
 		if (!wide) {
-			/* Rows of the stage past the end hold stale data: harmless, never written. */
+			/* Rows of the last group past the end hold stale data: not read. */
+			const int rcnt = (first + i * stride) * R + g < p.rows ? cnt : 0;
 			float s[1] = {0.0f}, q[1] = {0.0f};
 			if (ln) {
-				for (int v = tg; v < cnt; v += G) {
+				for (int v = tg; v < rcnt; v += G) {
 					float x[VEC];
 					unpack<T>(xr[v], x);
 #pragma unroll
@@ -143,7 +144,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) fwd_tma(const Params p)
 				butterfly<SumOp<1>>(s, G);
 				mean = s[0] * p.inv_cols;
 			}
-			for (int v = tg; v < cnt; v += G) {
+			for (int v = tg; v < rcnt; v += G) {
 				float x[VEC];
 				unpack<T>(xr[v], x);
 #pragma unroll
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) fwd_tma(const Params p)
 			write_y(i - 1, prev, pmean, prstd);
 		if (wide) {
 			if (K > 1) {
-				mbarrier_wait(&sm.sums[slot], (unsigned)(i / TMA_SUM_SLOTS) & 1u);
+				mbarrier_wait_cluster(&sm.sums[slot], (unsigned)(i / TMA_SUM_SLOTS) & 1u);
 				if (t == 0 && i + TMA_SUM_SLOTS < n)
 					mbarrier_expect(&sm.sums[slot], 16u * K);
 			} else {

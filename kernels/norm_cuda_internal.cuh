@@ -12,9 +12,10 @@
  *   - block_smem (NK_FAMILY_BLOCK_SMEM): a block (backward on sm_90 also a
  *     cluster) owns a row at a time and stages it in shared memory with
  *     cp.async, the next row(s) in flight; for rows wider than registers hold.
- *   - tma_slice (NK_FAMILY_TMA_SLICE, backward, sm_90): a cluster of K
- *     blocks owns a row at a time, block r a contiguous column slice of it,
- *     staged several rows deep by TMA bulk copies (norm_cuda_bwd_tma.cu).
+ *   - tma_slice (NK_FAMILY_TMA_SLICE, sm_90): a cluster of K blocks owns a
+ *     row at a time, block r a contiguous column slice of it (or a block R
+ *     rows on a warp's lanes each), staged several rows deep by TMA bulk
+ *     copies (norm_cuda_bwd_tma.cu, norm_cuda_fwd_tma.cu).
  *   - generic (NK_FAMILY_GENERIC): scalar loads, several passes over a row
  *     (the later ones hit L2); any cols, any alignment.
  * Backward writes per-row-group dgamma/dbeta partials (fp32) to the
@@ -485,7 +486,7 @@ __device__ __forceinline__ void mbarrier_init_fence()
 	asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-/* Arrives once, announcing `bytes` the phase's bulk copies will deliver. */
+/* Arrives once, announcing `bytes` the phase's bulk copies (or peers' st.async) will deliver. */
 __device__ __forceinline__ void mbarrier_expect(unsigned long long *bar, unsigned bytes)
 {
 	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
@@ -500,6 +501,23 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long *bar, unsigned 
 	do {
 		asm volatile("{\n\t.reg .pred p;\n\t"
 			     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+			     "selp.u32 %0, 1, 0, p;\n\t}"
+			     : "=r"(done)
+			     : "r"(shared_addr(bar)), "r"(parity)
+			     : "memory");
+	} while (!done);
+}
+
+/*
+ * mbarrier_wait for a barrier that other blocks of the cluster complete
+ * (st.async): acquire at cluster scope, so that their stores are seen.
+ */
+__device__ __forceinline__ void mbarrier_wait_cluster(unsigned long long *bar, unsigned parity)
+{
+	unsigned done;
+	do {
+		asm volatile("{\n\t.reg .pred p;\n\t"
+			     "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
 			     "selp.u32 %0, 1, 0, p;\n\t}"
 			     : "=r"(done)
 			     : "r"(shared_addr(bar)), "r"(parity)
@@ -678,24 +696,29 @@ constexpr int SMEM_FWD_MAX_THREADS = 1024;
 constexpr int MAX_THREADS = 512;
 constexpr int BWD_MAX_THREADS_SM80 = 256;
 /*
- * tma_slice backward: elements of a row a thread owns (its weights and
- * dgamma/dbeta sums stay in registers: at most 128 with 512 threads, so
- * blocks of up to 256 threads fit twice on a multiprocessor), staged rows
- * at most and by default (deeper staging measured no faster).
+ * tma_slice (norm_cuda_*_tma.cu). TMA_ELEMS: elements of a row a backward
+ * thread owns; their weights and dgamma/dbeta sums stay in registers, at
+ * most 128 registers a thread with 512 threads, so blocks of up to 256
+ * threads fit twice on a multiprocessor.
  */
 constexpr int TMA_ELEMS = 16;
-constexpr int TMA_MAX_STAGES = 15;
-constexpr int TMA_STAGES = 4;
+constexpr int TMA_MAX_STAGES = 15; /* rows staged at most */
+constexpr int TMA_STAGES = 4;	    /* rows staged by default (deeper measured no faster) */
 constexpr int TMA_MAX_CLUSTER = 8;
 constexpr int TMA_SUM_SLOTS = 4; /* rows whose cluster sums are in flight at once */
-/* Per-block static shared memory of the tma_slice backward. */
+/* The backward's slot-reuse argument (norm_cuda_bwd_tma.cu) needs 4; slots are masked. */
+static_assert(TMA_SUM_SLOTS >= 4 && (TMA_SUM_SLOTS & (TMA_SUM_SLOTS - 1)) == 0,
+	      "row-sum slots: a power of two, at least 4");
+/* Per-block static shared memory of the tma_slice kernels (forward and backward). */
 struct TmaSmem {
 	unsigned long long full[TMA_MAX_STAGES]; /* mbarrier: stage k's copies landed */
 	unsigned long long sums[TMA_SUM_SLOTS];	 /* mbarrier: a row's K block sums landed */
 	/* (16 bytes a block: bwd sum(g), sum(g * xh); fwd count, mean, M2) */
-	float4 warp[2][MAX_THREADS / 32];	 /* row sums of each warp, by row parity */
-	float4 rank[TMA_SUM_SLOTS][TMA_MAX_CLUSTER]; /* row sums of each block of the cluster */
+	float4 warp[2][MAX_THREADS / 32];	 /* each warp's, by row parity */
+	float4 rank[TMA_SUM_SLOTS][TMA_MAX_CLUSTER]; /* each block's of the cluster, by row slot */
 };
+/* Shared memory a tma_slice block takes besides its stages (the dynamic base is 128-aligned). */
+constexpr size_t TMA_STATIC_SMEM = (sizeof(TmaSmem) + 127) / 128 * 128;
 
 /* Threads per block of the ring backward (bwd_smem_ring), at most. */
 constexpr int ring_max_threads(bool cluster, int elems)

@@ -451,7 +451,7 @@ static bool tma_shape_ok(const struct nk_norm_args *a, const struct nk_device_in
 {
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
-	const size_t fixed = sizeof(TmaSmem) + 1024;
+	const size_t fixed = TMA_STATIC_SMEM + 1024;
 	if (!tiled_layout_ok(a) || dev->cc_major < 9 || s.K < 1 || s.K > TMA_MAX_CLUSTER)
 		return false;
 	if (s.stages < 3 || s.stages > TMA_MAX_STAGES || s.units_cap < 1)
@@ -535,7 +535,7 @@ static bool tma_variant(const struct nk_norm_args *a, const struct nk_device_inf
 	v->threads = (uint16_t)threads;
 	v->rows_per_block = (uint16_t)R;
 	v->vec_elems = (uint16_t)vec;
-	const size_t share = REF_SMEM_PER_SM / (size_t)per_sm - sizeof(TmaSmem) - 1024;
+	const size_t share = REF_SMEM_PER_SM / (size_t)per_sm - TMA_STATIC_SMEM - 1024;
 	for (int st = TMA_STAGES; st >= 3; st--) {
 		v->param = tma_param(nv, st, K, tma_units_cap(K, per_sm));
 		const Shape s = shape_of(v);
