@@ -74,7 +74,8 @@ static int cmd_variants(nc_conn *conn)
 		fprintf(stderr, "normctl: variants: %s: %s\n", nc_strerror(rc), nc_last_error());
 		return 1;
 	}
-	printf("%-6s %-14s %-10s %-8s %-22s %-8s %s\n", "device", "op", "dtypes", "cols",
+	/* Widths: "layernorm_bwd+me", and variant names up to about 40 characters. */
+	printf("%-6s %-16s %-10s %-8s %-40s %-8s %s\n", "device", "op", "dtypes", "cols",
 	       "variant", "source", "uses");
 	for (size_t i = 0; i < n; i++) {
 		const struct nc_variant_info *v = &list[i];
@@ -82,7 +83,7 @@ static int cmd_variants(nc_conn *conn)
 		snprintf(dtypes, sizeof(dtypes), "%s/%s", jobkit_dtype_name(v->dtype),
 			 jobkit_dtype_name(v->weight_dtype));
 		snprintf(op, sizeof(op), "%s%s", jobkit_op_name(v->op), (v->flags & 1) ? "+me" : "");
-		printf("%-6d %-14s %-10s %-8llu %-22s %-8s %llu\n", v->device, op, dtypes,
+		printf("%-6d %-16s %-10s %-8llu %-40s %-8s %llu\n", v->device, op, dtypes,
 		       (unsigned long long)v->cols, v->variant, v->source,
 		       (unsigned long long)v->uses);
 	}
