@@ -211,31 +211,6 @@ __device__ __forceinline__ void vector_terms(const Params &p, uint4 xr, uint4 dy
 		g[i] = dy[i] * gm[i];
 }
 
-/* Writes a thread's dgamma/dbeta sums as partial row `prow`. */
-template <int NV, int VEC>
-__device__ __forceinline__ void write_partials(const Params &p, int64_t prow, const int *vi,
-					       const float *ag, const float *ab)
-{
-	float *pg = p.part + prow * p.cols;
-	float *pb = p.part + (p.part_rows + prow) * p.cols;
-#pragma unroll
-	for (int j = 0; j < NV; j++) {
-		if (vi[j] >= p.nvec)
-			continue;
-#pragma unroll
-		for (int c = 0; c < VEC / 4; c++) {
-			const float *a = ag + j * VEC + 4 * c;
-			const float *b = ab + j * VEC + 4 * c;
-			if (p.f & F_DGAMMA)
-				reinterpret_cast<float4 *>(pg + vi[j] * VEC)[c] =
-				    make_float4(a[0], a[1], a[2], a[3]);
-			if (p.f & F_DBETA)
-				reinterpret_cast<float4 *>(pb + vi[j] * VEC)[c] =
-				    make_float4(b[0], b[1], b[2], b[3]);
-		}
-	}
-}
-
 /*
  * sm_80 gets at most 256 threads a block (the variant rules keep to that):
  * with 512 its register file leaves too little for two vectors a thread.
@@ -405,11 +380,9 @@ int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaS
 				    s.split ? 1 : s.K, stream, p);
 		return err == cudaSuccess ? NK_OK : set_error(err, "backward kernel launch");
 	}
-	constexpr auto kern = bwd_tiled<T, W, NV, true>;
-	const size_t smem = staged_weight_bytes<T>(NV, s.G);
-	err = allow_smem<kern>(dev, smem);
-	if (err == cudaSuccess)
-		err = launch_kernel(kern, units * s.K, s.threads, s.split ? 1 : s.K, stream, p, smem);
+	err = launch_with_smem<bwd_tiled<T, W, NV, true>>(dev, units * s.K, s.threads,
+							   s.split ? 1 : s.K, stream, p,
+							   staged_weight_bytes<T>(NV, s.G));
 	return err == cudaSuccess ? NK_OK : set_error(err, "backward kernel launch");
 }
 
@@ -529,18 +502,11 @@ int run_smem(const Params &p, const struct nk_device_info *dev, const Shape &s, 
 	     cudaStream_t stream)
 {
 	const int64_t units = p.rows < s.units_cap ? p.rows : s.units_cap;
-	cudaError_t err;
-	if (s.K == 1) {
-		constexpr auto kern = bwd_smem<T, W, NV, false>;
-		err = allow_smem<kern>(dev, smem);
-		if (err == cudaSuccess)
-			err = launch_kernel(kern, units, s.threads, 1, stream, p, smem);
-	} else {
-		constexpr auto kern = bwd_smem<T, W, NV, true>;
-		err = allow_smem<kern>(dev, smem);
-		if (err == cudaSuccess)
-			err = launch_kernel(kern, units * s.K, s.threads, s.K, stream, p, smem);
-	}
+	const cudaError_t err =
+	    s.K == 1 ? launch_with_smem<bwd_smem<T, W, NV, false>>(dev, units, s.threads, 1, stream,
+								  p, smem)
+		     : launch_with_smem<bwd_smem<T, W, NV, true>>(dev, units * s.K, s.threads, s.K,
+								 stream, p, smem);
 	return err == cudaSuccess ? NK_OK : set_error(err, "block_smem backward launch");
 }
 
@@ -691,33 +657,22 @@ __global__ void __launch_bounds__(ring_max_threads(CLUSTER, NV * 16 / sizeof(T))
 	cluster_done(K);
 }
 
-/* Launches a block_smem kernel on `units` row groups of s.K blocks. */
-template <auto kern>
-cudaError_t launch_staged(const Params &p, const struct nk_device_info *dev, const Shape &s,
-			  int64_t units, size_t smem, cudaStream_t stream)
-{
-	cudaError_t err = allow_smem<kern>(dev, smem);
-	if (err == cudaSuccess)
-		err = launch_kernel(kern, units * s.K, s.threads, s.K, stream, p, smem);
-	return err;
-}
-
 template <typename T, typename W, int NV>
 int run_smem_ring(const Params &p, const struct nk_device_info *dev, const Shape &s, bool sw,
 		  size_t smem, cudaStream_t stream)
 {
-	const int64_t units = p.rows < s.units_cap ? p.rows : s.units_cap;
+	const int64_t grid = (p.rows < s.units_cap ? p.rows : s.units_cap) * s.K;
 	cudaError_t err;
 	if (s.K == 1)
-		err = sw ? launch_staged<bwd_smem_ring<T, W, NV, false, true>>(p, dev, s, units,
-									      smem, stream)
-			 : launch_staged<bwd_smem_ring<T, W, NV, false, false>>(p, dev, s, units,
-									       smem, stream);
+		err = sw ? launch_with_smem<bwd_smem_ring<T, W, NV, false, true>>(
+			       dev, grid, s.threads, s.K, stream, p, smem)
+			 : launch_with_smem<bwd_smem_ring<T, W, NV, false, false>>(
+			       dev, grid, s.threads, s.K, stream, p, smem);
 	else
-		err = sw ? launch_staged<bwd_smem_ring<T, W, NV, true, true>>(p, dev, s, units,
-									     smem, stream)
-			 : launch_staged<bwd_smem_ring<T, W, NV, true, false>>(p, dev, s, units,
-									      smem, stream);
+		err = sw ? launch_with_smem<bwd_smem_ring<T, W, NV, true, true>>(
+			       dev, grid, s.threads, s.K, stream, p, smem)
+			 : launch_with_smem<bwd_smem_ring<T, W, NV, true, false>>(
+			       dev, grid, s.threads, s.K, stream, p, smem);
 	return err == cudaSuccess ? NK_OK : set_error(err, "block_smem ring backward launch");
 }
 

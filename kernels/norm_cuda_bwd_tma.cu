@@ -105,21 +105,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 		ag[e] = 0.0f;
 		ab[e] = 0.0f;
 	}
-	if (t == 0) {
-		for (int k = 0; k < S; k++)
-			mbarrier_init(&sm.full[k], 1);
-		for (int d = 0; d < TMA_SUM_SLOTS && K > 1; d++) {
-			mbarrier_init(&sm.sums[d], 1);
-			if (d < n) /* the K blocks' sums of row d */
-				mbarrier_expect(&sm.sums[d], 16u * K);
-		}
-		mbarrier_init_fence();
-	}
-	__syncthreads();
-	if (K > 1) { /* every block's shared memory is live before any remote store */
-		cluster_arrive();
-		cluster_wait();
-	}
+	tma_barriers_init(sm, S, K, n);
 
 	/* Thread 0: the block's i-th row group into stage k (= i % S). */
 	auto issue = [&](int64_t i, int k) {
@@ -281,39 +267,15 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 	 * is min(row groups, units_cap) clusters, so every cluster has a row
 	 * group and partial_rows() counts exactly these rows.)
 	 */
-	const int64_t prow = first * R + g;
-	float *pg = p.part + prow * p.cols, *pb = p.part + (p.part_rows + prow) * p.cols;
+	int vi[NV]; /* the row's vector of each of the thread's slots; nvec: none */
 #pragma unroll
-	for (int j = 0; j < NV; j++) {
-		const int lv = j * G + tg;
-		if (lv >= cnt)
-			continue;
-		const int64_t col = (int64_t)(lo + lv) * VEC;
-#pragma unroll
-		for (int c = 0; c < VEC / 4; c++) {
-			const float *a = ag + j * VEC + 4 * c, *b = ab + j * VEC + 4 * c;
-			if (p.f & F_DGAMMA)
-				reinterpret_cast<float4 *>(pg + col)[c] =
-				    make_float4(a[0], a[1], a[2], a[3]);
-			if (p.f & F_DBETA)
-				reinterpret_cast<float4 *>(pb + col)[c] =
-				    make_float4(b[0], b[1], b[2], b[3]);
-		}
-	}
+	for (int j = 0; j < NV; j++)
+		vi[j] = j * G + tg < cnt ? lo + j * G + tg : p.nvec;
+	write_partials<NV, VEC>(p, first * R + g, vi, ag, ab);
 #else
 	(void)p;
 	__trap();
 #endif
-}
-
-template <auto kern>
-cudaError_t launch_tma(const Params &p, const struct nk_device_info *dev, const Shape &s,
-		       int64_t units, size_t smem, cudaStream_t stream)
-{
-	cudaError_t err = allow_smem<kern>(dev, smem);
-	if (err == cudaSuccess)
-		err = launch_kernel(kern, units * s.K, s.threads, s.K, stream, p, smem);
-	return err;
 }
 
 } /* namespace */
@@ -339,9 +301,10 @@ int launch_bwd_tma(const struct nk_norm_args *a, const struct nk_device_info *de
 		constexpr int VEC = 16 / sizeof(T);
 		p.nvec = (int)(a->cols / VEC);
 		p.slice = (p.nvec + s.K - 1) / s.K;
-		cudaError_t err =
-		    memeff ? launch_tma<bwd_tma<T, W, true>>(p, dev, s, units, smem, stream)
-			   : launch_tma<bwd_tma<T, W, false>>(p, dev, s, units, smem, stream);
+		cudaError_t err = memeff ? launch_with_smem<bwd_tma<T, W, true>>(
+					       dev, units * s.K, s.threads, s.K, stream, p, smem)
+					 : launch_with_smem<bwd_tma<T, W, false>>(
+					       dev, units * s.K, s.threads, s.K, stream, p, smem);
 		return err == cudaSuccess ? (int)NK_OK : set_error(err, "tma_slice backward launch");
 	});
 }

@@ -54,21 +54,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) fwd_tma(const Params p)
 	const int64_t first = blockIdx.x / K, stride = gridDim.x / K;
 	const int64_t n = first < units ? (units - first + stride - 1) / stride : 0;
 
-	if (t == 0) {
-		for (int k = 0; k < S; k++)
-			mbarrier_init(&sm.full[k], 1);
-		for (int d = 0; d < TMA_SUM_SLOTS && K > 1; d++) {
-			mbarrier_init(&sm.sums[d], 1);
-			if (d < n)
-				mbarrier_expect(&sm.sums[d], 16u * K);
-		}
-		mbarrier_init_fence();
-	}
-	__syncthreads();
-	if (K > 1) { /* every block's shared memory is live before any remote store */
-		cluster_arrive();
-		cluster_wait();
-	}
+	tma_barriers_init(sm, S, K, n);
 
 	/* Thread 0: the block's i-th row group into stage k. */
 	auto issue = [&](int64_t i, int k) {
@@ -244,12 +230,10 @@ int launch_fwd_tma(const struct nk_norm_args *a, const struct nk_device_info *de
 	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
 		using T = decltype(tt);
 		using W = decltype(wt);
-		constexpr auto kern = fwd_tma<T, W>;
 		p.nvec = (int)(a->cols / (16 / sizeof(T)));
 		p.slice = (p.nvec + s.K - 1) / s.K;
-		cudaError_t err = allow_smem<kern>(dev, smem);
-		if (err == cudaSuccess)
-			err = launch_kernel(kern, units * s.K, s.threads, s.K, stream, p, smem);
+		const cudaError_t err = launch_with_smem<fwd_tma<T, W>>(dev, units * s.K, s.threads,
+									 s.K, stream, p, smem);
 		return err == cudaSuccess ? (int)NK_OK : set_error(err, "tma_slice forward launch");
 	});
 }

@@ -460,6 +460,34 @@ template <int N> __device__ __forceinline__ void cp_async_wait()
 }
 
 /*
+ * Writes a thread's dgamma/dbeta sums of its vectors vi[j] (>= nvec: none)
+ * as partial row `prow` of the workspace (backward kernels).
+ */
+template <int NV, int VEC>
+__device__ __forceinline__ void write_partials(const Params &p, int64_t prow, const int *vi,
+					       const float *ag, const float *ab)
+{
+	float *pg = p.part + prow * p.cols;
+	float *pb = p.part + (p.part_rows + prow) * p.cols;
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		if (vi[j] >= p.nvec)
+			continue;
+#pragma unroll
+		for (int c = 0; c < VEC / 4; c++) {
+			const float *a = ag + j * VEC + 4 * c;
+			const float *b = ab + j * VEC + 4 * c;
+			if (p.f & F_DGAMMA)
+				reinterpret_cast<float4 *>(pg + vi[j] * VEC)[c] =
+				    make_float4(a[0], a[1], a[2], a[3]);
+			if (p.f & F_DBETA)
+				reinterpret_cast<float4 *>(pb + vi[j] * VEC)[c] =
+				    make_float4(b[0], b[1], b[2], b[3]);
+		}
+	}
+}
+
+/*
  * TMA primitives (sm_90; the tma_slice kernels, norm_cuda_*_tma.cu): bulk
  * copies into shared memory that complete an mbarrier, and stores into the
  * shared memory of another block of the cluster that complete its mbarrier.
@@ -617,6 +645,16 @@ static inline cudaError_t launch_kernel(Kern kern, int64_t grid, int threads, in
 	return cudaLaunchKernelEx(&cfg, kern, p);
 }
 
+/* launch_kernel, after letting kern use `smem` bytes of dynamic shared memory (allow_smem). */
+template <auto kern>
+static inline cudaError_t launch_with_smem(const struct nk_device_info *dev, int64_t grid,
+					   int threads, int K, cudaStream_t stream, const Params &p,
+					   size_t smem)
+{
+	cudaError_t err = allow_smem<kern>(dev, smem);
+	return err == cudaSuccess ? launch_kernel(kern, grid, threads, K, stream, p, smem) : err;
+}
+
 /*
  * Resident blocks of `threads` threads per multiprocessor, asked once per
  * kernel and block size (the answer only sizes grids, so a stale value on a
@@ -719,6 +757,33 @@ struct TmaSmem {
 };
 /* Shared memory a tma_slice block takes besides its stages (the dynamic base is 128-aligned). */
 constexpr size_t TMA_STATIC_SMEM = (sizeof(TmaSmem) + 127) / 128 * 128;
+
+#ifdef NKC_TMA
+/*
+ * Thread 0 initializes the stage barriers (`stages`) and, on a cluster of
+ * K > 1 blocks, the row-sum barriers, armed for the block's first rows of
+ * its n row groups; then the block, and the cluster, meet, so that every
+ * block's shared memory is live before any peer stores into it.
+ */
+__device__ __forceinline__ void tma_barriers_init(TmaSmem &sm, int stages, int K, int64_t n)
+{
+	if (threadIdx.x == 0) {
+		for (int k = 0; k < stages; k++)
+			mbarrier_init(&sm.full[k], 1);
+		for (int d = 0; d < TMA_SUM_SLOTS && K > 1; d++) {
+			mbarrier_init(&sm.sums[d], 1);
+			if (d < n) /* the K blocks' sums of row group d */
+				mbarrier_expect(&sm.sums[d], 16u * K);
+		}
+		mbarrier_init_fence();
+	}
+	__syncthreads();
+	if (K > 1) {
+		cluster_arrive();
+		cluster_wait();
+	}
+}
+#endif
 
 /* Threads per block of the ring backward (bwd_smem_ring), at most. */
 constexpr int ring_max_threads(bool cluster, int elems)
