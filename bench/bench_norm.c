@@ -325,21 +325,29 @@ int main(int argc, char **argv)
 	    {NK_RMSNORM_FWD, false},   {NK_RMSNORM_BWD, false},	  {NK_RMSNORM_BWD, true},
 	};
 	/*
-	 * Optional arguments limit the run to those cols values, and "bwd" or
-	 * "fwd" to the backward or forward ops (for quick looks).
+	 * Optional arguments limit the run to those cols values, "bwd" or
+	 * "fwd" to the backward or forward ops, "bf16" or "f32" to one dtype
+	 * (for quick looks).
 	 */
 	bool only = false, bwd_only = false, fwd_only = false;
+	int dt_only = -1;
 	for (int k = 1; k < argc; k++) {
 		if (strcmp(argv[k], "bwd") == 0)
 			bwd_only = true;
 		else if (strcmp(argv[k], "fwd") == 0)
 			fwd_only = true;
+		else if (strcmp(argv[k], "bf16") == 0)
+			dt_only = NK_BF16;
+		else if (strcmp(argv[k], "f32") == 0)
+			dt_only = NK_F32;
 		else
 			only = true;
 	}
 
 	setup();
 	for (int d = 0; d < 2; d++) {
+		if (dt_only >= 0 && (int)dts[d] != dt_only)
+			continue;
 		fill_inputs(dts[d]);
 		for (size_t c = 0; c < sizeof(cols) / sizeof(cols[0]); c++) {
 			bool listed = !only;
