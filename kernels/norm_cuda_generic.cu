@@ -163,36 +163,64 @@ __global__ void __launch_bounds__(256) dgamma_generic(const Params p)
 	p.part[((int64_t)w * p.part_rows + blockIdx.y) * p.cols + col] = sum;
 }
 
+/*
+ * Sums rows [r0, r1) of column `col` of the partial rows at `base` (block
+ * 32 x 8: threadIdx.x a column, threadIdx.y a row phase), always in the same
+ * order; the sum is valid in the threads of threadIdx.y == 0.
+ */
+__device__ __forceinline__ float sum_partial_rows(const float *base, int64_t r0, int64_t r1,
+						  int64_t cols, int64_t col)
+{
+	__shared__ float acc[8][33];
+	float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+	int64_t r = r0 + threadIdx.y;
+	for (; col < cols && r + 24 < r1; r += 32) {
+#pragma unroll
+		for (int k = 0; k < 4; k++)
+			s[k] += base[(r + 8 * k) * cols + col];
+	}
+	for (int k = 0; col < cols && r < r1; r += 8, k++)
+		s[k & 3] += base[r * cols + col];
+	acc[threadIdx.y][threadIdx.x] = (s[0] + s[1]) + (s[2] + s[3]);
+	__syncthreads();
+	float(*a)[33] = acc;
+	return ((a[0][threadIdx.x] + a[1][threadIdx.x]) + (a[2][threadIdx.x] + a[3][threadIdx.x])) +
+	       ((a[4][threadIdx.x] + a[5][threadIdx.x]) + (a[6][threadIdx.x] + a[7][threadIdx.x]));
+}
+
+/*
+ * First of two finishing steps when there are many partial rows: chunk
+ * blockIdx.z of `chunk` partial rows of dgamma (blockIdx.y 0) or dbeta (1)
+ * into row blockIdx.z of `mid` (chunks x cols for each of the two).
+ */
+__global__ void __launch_bounds__(256)
+    reduce_partial_chunks(const float *part, int64_t part_rows, int64_t chunk, int64_t cols,
+			  float *mid)
+{
+	const int64_t col = (int64_t)blockIdx.x * 32 + threadIdx.x;
+	const float *base = part + (int64_t)blockIdx.y * part_rows * cols;
+	const int64_t r0 = (int64_t)blockIdx.z * chunk;
+	const int64_t r1 = r0 + chunk < part_rows ? r0 + chunk : part_rows;
+	const float sum = sum_partial_rows(base, r0, r1, cols, col);
+	if (threadIdx.y == 0 && col < cols)
+		mid[((int64_t)blockIdx.y * gridDim.z + blockIdx.z) * cols + col] = sum;
+}
+
 /* Sums the partial rows of dgamma (blockIdx.y 0) or dbeta (1) into `out`. */
 template <typename W>
 __global__ void __launch_bounds__(256)
     reduce_partials(const float *part, int64_t part_rows, int64_t cols, W *dgamma, W *dbeta,
 		    bool accumulate)
 {
-	__shared__ float acc[8][33];
 	const int64_t col = (int64_t)blockIdx.x * 32 + threadIdx.x;
 	W *out = blockIdx.y == 0 ? dgamma : dbeta;
 	const float *base = part + (int64_t)blockIdx.y * part_rows * cols;
-	float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
 	if (!out)
 		return;
-	int64_t r = threadIdx.y;
-	for (; col < cols && r + 24 < part_rows; r += 32) {
-#pragma unroll
-		for (int k = 0; k < 4; k++)
-			s[k] += base[(r + 8 * k) * cols + col];
-	}
-	for (int k = 0; col < cols && r < part_rows; r += 8, k++)
-		s[k & 3] += base[r * cols + col];
-	acc[threadIdx.y][threadIdx.x] = (s[0] + s[1]) + (s[2] + s[3]);
-	__syncthreads();
+	float sum = sum_partial_rows(base, 0, part_rows, cols, col);
 	if (threadIdx.y != 0 || col >= cols)
 		return;
-	float(*a)[33] = acc;
-	float sum =
-	    ((a[0][threadIdx.x] + a[1][threadIdx.x]) + (a[2][threadIdx.x] + a[3][threadIdx.x])) +
-	    ((a[4][threadIdx.x] + a[5][threadIdx.x]) + (a[6][threadIdx.x] + a[7][threadIdx.x]));
 	if (accumulate)
 		sum = to_f(out[col]) + sum;
 	out[col] = from_f<W>(sum);
@@ -323,9 +351,24 @@ int launch_finish(const struct nk_norm_args *a, const float *part, int64_t part_
 	auto body = [&](auto wt) {
 		using W = decltype(wt);
 		if (a->dgamma || a->dbeta) {
-			dim3 grid((unsigned)((a->cols + 31) / 32), 2);
-			reduce_partials<W><<<grid, dim3(32, 8), 0, stream>>>(
-			    part, part_rows, a->cols, static_cast<W *>(a->dgamma),
+			const unsigned col_blocks = (unsigned)((a->cols + 31) / 32);
+			const int64_t chunks = finish_chunks(a->cols, part_rows);
+			const float *rows = part;
+			int64_t nrows = part_rows;
+			if (chunks > 1) {
+				float *mid = const_cast<float *>(part) + mid_offset(a, part_rows);
+				const int64_t chunk = (part_rows + chunks - 1) / chunks;
+				reduce_partial_chunks<<<dim3(col_blocks, a->dbeta ? 2 : 1,
+							     (unsigned)chunks),
+							dim3(32, 8), 0, stream>>>(
+				    part, part_rows, chunk, a->cols, mid);
+				if (check_launch("reduce_partial_chunks launch") != NK_OK)
+					return NK_EDEVICE;
+				rows = mid;
+				nrows = chunks;
+			}
+			reduce_partials<W><<<dim3(col_blocks, 2), dim3(32, 8), 0, stream>>>(
+			    rows, nrows, a->cols, static_cast<W *>(a->dgamma),
 			    static_cast<W *>(a->dbeta), accumulate);
 			if (check_launch("reduce_partials launch") != NK_OK)
 				return NK_EDEVICE;

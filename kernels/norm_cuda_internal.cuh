@@ -19,9 +19,10 @@
  *   - generic (NK_FAMILY_GENERIC): scalar loads, several passes over a row
  *     (the later ones hit L2); any cols, any alignment.
  * Backward writes per-row-group dgamma/dbeta partials (fp32) to the
- * workspace; reduce_partials() sums them in a fixed order. How many partial
- * rows there are depends on the shape and the variant only, never on the
- * device, so the weight gradients are bit-identical on every run and GPU.
+ * workspace; launch_finish() sums them in a fixed order (many partial rows
+ * in chunks first, finish_chunks). How many partial rows and chunks there
+ * are depends on the shape and the variant only, never on the device, so
+ * the weight gradients are bit-identical on every run and GPU.
  */
 #ifndef NORMD_NORM_CUDA_INTERNAL_CUH
 #define NORMD_NORM_CUDA_INTERNAL_CUH
@@ -122,6 +123,10 @@ Shape shape_of(const struct nk_variant *v);
 
 /* Partial rows (per weight gradient) a backward job writes. */
 int64_t partial_rows(const struct nk_norm_args *a, const Shape &s);
+/* Chunks launch_finish sums the partial rows in first (1: one step), and
+ * where their sums start in the workspace (floats after the partials). */
+int64_t finish_chunks(int64_t cols, int64_t part_rows);
+int64_t mid_offset(const struct nk_norm_args *a, int64_t part_rows);
 
 /* Records a CUDA error for nk_cuda_last_error() and returns NK_EDEVICE. */
 int set_error(cudaError_t err, const char *where);

@@ -105,6 +105,11 @@ static bool is_ln(const struct nk_norm_args *a)
 	return a->op == NK_LAYERNORM_FWD || a->op == NK_LAYERNORM_BWD;
 }
 
+static size_t round256(size_t n)
+{
+	return (n + 255) / 256 * 256;
+}
+
 int64_t partial_rows(const struct nk_norm_args *a, const Shape &s)
 {
 	int64_t units;
@@ -600,19 +605,47 @@ static struct nk_variant resolve(const struct nk_norm_args *a, const struct nk_d
 	return out;
 }
 
-static size_t round256(size_t n)
+
+/*
+ * Chunks of partial rows that launch_finish sums first, one block a chunk
+ * and 32 columns, so that narrow rows with thousands of partial rows still
+ * spread over about FINISH_BLOCKS blocks (one chunk: a single step). A rule
+ * of cols and part_rows alone, so the order of the sums is always the same.
+ */
+int64_t finish_chunks(int64_t cols, int64_t part_rows)
 {
-	return (n + 255) / 256 * 256;
+	constexpr int64_t FINISH_BLOCKS = 256, MIN_CHUNK_ROWS = 64;
+	const int64_t col_blocks = (cols + 31) / 32;
+	const int64_t want = (FINISH_BLOCKS + col_blocks - 1) / col_blocks;
+	if (want < 2 || part_rows < 2 * MIN_CHUNK_ROWS)
+		return 1;
+	int64_t chunk = (part_rows + want - 1) / want;
+	if (chunk < MIN_CHUNK_ROWS)
+		chunk = MIN_CHUNK_ROWS;
+	return (part_rows + chunk - 1) / chunk;
 }
 
-/* Workspace: the dgamma/dbeta partials, then (memory-efficient) rg. */
+/* Floats from the partials to the chunk sums (after the dgamma and dbeta partials). */
+int64_t mid_offset(const struct nk_norm_args *a, int64_t part_rows)
+{
+	const size_t bytes = (size_t)part_rows * (size_t)a->cols * sizeof(float);
+	return (int64_t)(round256(a->dbeta ? 2 * bytes : bytes) / sizeof(float));
+}
+
+/*
+ * Workspace: the dgamma/dbeta partials and their chunk sums, then
+ * (memory-efficient) rg.
+ */
 static size_t partials_bytes(const struct nk_norm_args *a, const struct nk_variant *v)
 {
 	if (!is_bwd(a) || (!a->dgamma && !a->dbeta))
 		return 0;
-	Shape s = shape_of(v);
-	size_t bytes = (size_t)partial_rows(a, s) * (size_t)a->cols * sizeof(float);
-	return round256(a->dbeta ? 2 * bytes : bytes);
+	const int64_t rows = partial_rows(a, shape_of(v));
+	const int64_t chunks = finish_chunks(a->cols, rows);
+	size_t bytes = (size_t)mid_offset(a, rows) * sizeof(float);
+	if (chunks > 1)
+		bytes += round256((size_t)2 * (size_t)chunks * (size_t)a->cols * sizeof(float));
+	return bytes;
 }
 
 /* Memory-efficient backward: 1 / clamp(gamma). */
