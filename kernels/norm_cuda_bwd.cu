@@ -689,7 +689,7 @@ int launch_bwd_smem(const struct nk_norm_args *a, const struct nk_device_info *d
 	p.iters = a->rows;
 	p.part = part;
 	p.part_rows = partial_rows(a, s);
-	const size_t smem = smem_stage_bytes(a, s);
+	const size_t smem = smem_stage_bytes(a, s, dev);
 	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
 		using T = decltype(tt);
 		using W = decltype(wt);
@@ -714,7 +714,7 @@ int launch_bwd_smem_ring(const struct nk_norm_args *a, const struct nk_device_in
 	p.part_rows = partial_rows(a, s);
 	p.prefetch = s.prefetch;
 	const bool sw = s.staged_weights && (p.f & F_MEMEFF);
-	const size_t smem = smem_stage_bytes(a, s);
+	const size_t smem = smem_stage_bytes(a, s, dev);
 	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
 		using T = decltype(tt);
 		using W = decltype(wt);

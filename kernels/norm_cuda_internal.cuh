@@ -160,8 +160,13 @@ int launch_fwd_tma(const struct nk_norm_args *a, const struct nk_device_info *de
  * slice of x and dy (backward), of x (forward, R rows a stage).
  */
 size_t tma_stage_bytes(const struct nk_norm_args *a, const Shape &s);
-/* Dynamic shared memory of a block_smem variant (its slice of the row, two stages). */
-size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s);
+/*
+ * Dynamic shared memory of a block_smem variant: its slice of the row, two
+ * stages (forward RMSNorm rows over 56 KB: three where `dev` has room; the
+ * backward never reads `dev`, which may be NULL there).
+ */
+size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s,
+			const struct nk_device_info *dev);
 /* Memory-efficient backward: rg[c] = 1 / clamp(gamma[c]), before the kernel. */
 int launch_reciprocal_gamma(const struct nk_norm_args *a, float *rg, cudaStream_t stream);
 /* Sums partials into dgamma/dbeta and counts clamped gamma entries. */

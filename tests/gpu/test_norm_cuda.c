@@ -737,6 +737,14 @@ int main(void)
 	run_op(NK_LAYERNORM_BWD, ln_bwd, 7, 10007, 128, 0);
 	run_op(NK_RMSNORM_BWD, rms_bwd, 4, 2085, 512, 0);
 	run_op(NK_LAYERNORM_FWD, ln_fwd, 4, 10007, 512, 0);
+	/*
+	 * Three-stage block_smem forward (RMSNorm rows over 56 KB): 661 rows,
+	 * 5 or 6 a block, so every stage is refilled more than once. And
+	 * 16-bit warp rows without bounds checks (every thread's vectors full).
+	 */
+	run_op(NK_RMSNORM_FWD, rms_fwd, 2, 661, 32768, 0);
+	run_op(NK_RMSNORM_FWD, rms_fwd, 2, 661, 16384, 0);
+	run_op(NK_LAYERNORM_FWD, ln_fwd, 4, 3001, 1024, 0);
 	run_nan_cases();
 	run_fallback_case();
 
