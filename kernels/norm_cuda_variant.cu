@@ -840,6 +840,13 @@ static bool tma_bwd_default(const struct nk_norm_args *a, const struct nk_device
 	if (!is_bwd(a) || dev->cc_major < 9 || nvec < 1024)
 		return false;
 	const int64_t K = (nvec + MAX_THREADS * nv - 1) / (MAX_THREADS * nv);
+	/*
+	 * Memory-efficient rows of one block (bf16 8192) stay tiled: there
+	 * block_row/t512 measured 92.5-93% against 89-91.5% (two runs), and
+	 * within 0.5% of its standard backward.
+	 */
+	if (K == 1 && (a->flags & NK_MEMORY_EFFICIENT))
+		return false;
 	if (K > TMA_MAX_CLUSTER || !tma_variant(a, dev, (int)K, 1, v))
 		return false;
 	const int64_t K2 = (nvec + MAX_THREADS / 2 * nv - 1) / (MAX_THREADS / 2 * nv);

@@ -324,6 +324,27 @@ static void test_wide_bwd_defaults_to_tma_slice(void **state)
 	}
 }
 
+/*
+ * bf16 8192 columns (1024 vectors, one tma_slice block a row): the
+ * standard backward takes tma_slice, the memory-efficient one stays on
+ * block_row with 512 threads (measured faster there, BENCHMARKS.md).
+ */
+static void test_one_block_memeff_stays_tiled(void **state)
+{
+	(void)state;
+	for (int k = 0; k < 4; k++) {
+		const bool mem_eff = k & 1;
+		const enum nk_op op = k & 2 ? NK_RMSNORM_BWD : NK_LAYERNORM_BWD;
+		struct nk_norm_args a = make_job(op, NK_BF16, NK_BF16,
+						 mem_eff ? NK_MEMORY_EFFICIENT : 0u, 8192,
+						 rows_for(8192));
+		struct nk_variant v;
+		assert_int_equal(nk_cuda_variant_default(&a, &h100, &v), NK_OK);
+		assert_int_equal(v.family, mem_eff ? NK_FAMILY_BLOCK_ROW : NK_FAMILY_TMA_SLICE);
+		assert_int_equal(v.threads, 512);
+	}
+}
+
 /* v with `bits` bits of its param from bit `shift` on set to `value`. */
 static struct nk_variant with_param_bits(struct nk_variant v, unsigned shift, unsigned bits,
 					 uint32_t value)
@@ -405,6 +426,7 @@ int main(void)
 	    cmocka_unit_test(test_sweep_sm80),
 	    cmocka_unit_test(test_no_tma_slice_on_sm80),
 	    cmocka_unit_test(test_wide_bwd_defaults_to_tma_slice),
+	    cmocka_unit_test(test_one_block_memeff_stays_tiled),
 	    cmocka_unit_test(test_corrupt_tma_slice_refused),
 	    cmocka_unit_test(test_narrow_fwd_defaults),
 	};
