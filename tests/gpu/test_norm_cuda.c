@@ -103,6 +103,7 @@ struct tcase {
 	bool dgamma, dbeta; /* backward: weight gradients wanted */
 	int offset;	    /* elements every pointer is moved by */
 	int64_t nan_row;    /* row with one NaN in x, or -1 */
+	bool shifted;	    /* forward: x of every third row + 8 (mean^2 > variance) */
 };
 
 /* A tensor on both sides: host inputs/reference, device copy, elements. */
@@ -315,6 +316,11 @@ static void job_inputs(struct job *j)
 		}
 	} else {
 		fill(c->dt, j->t[T_X].host, n, -2.0, 2.6);
+		for (int64_t i = 0; c->shifted && i < n; i++) {
+			if (i / c->cols % 3 == 0)
+				nk_store(c->dt, j->t[T_X].host, (size_t)i,
+					 nk_load(c->dt, j->t[T_X].host, (size_t)i) + 8.0);
+		}
 	}
 	if (c->nan_row >= 0)
 		nk_store(c->dt, j->t[T_X].host, (size_t)(c->nan_row * c->cols + c->cols / 2), NAN);
@@ -603,7 +609,7 @@ static void run_op(enum nk_op op, const struct combo *cb, int ncb, int64_t rows,
 			struct tcase c = {op,	       pairs[p].dt,  pairs[p].wt, cb[k].flags,
 					  rows,	       cols,	     cb[k].gamma, cb[k].beta,
 					  cb[k].stats, cb[k].dgamma, cb[k].dbeta, offset,
-					  -1};
+					  -1,	       false};
 			run_case(&c);
 		}
 	}
@@ -627,7 +633,26 @@ static void run_nan_cases(void)
 		for (int k = 0; k < 3; k++) {
 			bool ln = is_ln(ops[o]);
 			struct tcase c = {ops[o], NK_BF16, NK_BF16, 0,	   9, cols[k], true,
-					  ln,	  true,	   false,   false, 0, 4};
+					  ln,	  true,	   false,   false, 0, 4, false};
+			run_case(&c);
+		}
+	}
+}
+
+/*
+ * LayerNorm forward rows whose mean^2 exceeds their variance (every third
+ * row shifted by 8), next to ordinary rows in the same warp: full warp rows
+ * take one pass of sum(x) and sum(x * x) only where that is as accurate as
+ * two passes, and must fall back to two passes here.
+ */
+static void run_shifted_cases(void)
+{
+	const int64_t cols[] = {256, 512, 1024};
+	const enum nk_dtype dts[] = {NK_BF16, NK_F16, NK_F32};
+	for (int d = 0; d < 3; d++) {
+		for (int k = 0; k < 3; k++) {
+			struct tcase c = {NK_LAYERNORM_FWD, dts[d], dts[d], 0, 301, cols[k], true,
+					  true, true, false, false, 0, -1, true};
 			run_case(&c);
 		}
 	}
@@ -637,7 +662,8 @@ static void run_nan_cases(void)
 static void run_fallback_case(void)
 {
 	struct tcase c = {
-	    NK_LAYERNORM_FWD, NK_BF16, NK_BF16, 0, 33, 1000, true, true, true, false, false, 1, -1};
+	    NK_LAYERNORM_FWD, NK_BF16, NK_BF16, 0, 33, 1000, true, true, true, false, false, 1, -1,
+	    false};
 	struct nk_variant bogus = {99, 7, 3, 5, 0, 0}, ran;
 	struct job j;
 
@@ -746,6 +772,7 @@ int main(void)
 	run_op(NK_RMSNORM_FWD, rms_fwd, 2, 661, 16384, 0);
 	run_op(NK_LAYERNORM_FWD, ln_fwd, 4, 3001, 1024, 0);
 	run_nan_cases();
+	run_shifted_cases();
 	run_fallback_case();
 
 	cudaFree(workspace);
