@@ -642,15 +642,15 @@ static void run_nan_cases(void)
 /*
  * LayerNorm forward rows whose mean^2 exceeds their variance (every third
  * row shifted by 8), next to ordinary rows in the same warp: full warp rows
- * take one pass of sum(x) and sum(x * x) only where that is as accurate as
- * two passes, and must fall back to two passes here.
+ * and block_smem rows take one pass of sum(x) and sum(x * x) only where
+ * that is as accurate as two passes, and must fall back to two passes here.
  */
 static void run_shifted_cases(void)
 {
-	const int64_t cols[] = {256, 512, 1024};
+	const int64_t cols[] = {256, 512, 1024, 12288, 32768};
 	const enum nk_dtype dts[] = {NK_BF16, NK_F16, NK_F32};
 	for (int d = 0; d < 3; d++) {
-		for (int k = 0; k < 3; k++) {
+		for (int k = 0; k < 5; k++) {
 			struct tcase c = {NK_LAYERNORM_FWD, dts[d], dts[d], 0, 301, cols[k], true,
 					  true, true, false, false, 0, -1, true};
 			run_case(&c);
