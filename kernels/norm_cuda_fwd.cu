@@ -14,8 +14,10 @@
  *
  * Built by `make` (nvcc -O3, sm_80 and sm_90 machine code plus compute_90
  * PTX); instantiated for the five (x, weight) dtype pairs and NV in
- * {1, 2, 4, 8} with NV * VEC <= 32 elements a thread. Timed by
- * bench/bench_norm.c with CUDA events against the device's copy bandwidth.
+ * {1, 2, 4, 8} with NV * VEC <= 32 elements a thread, plus a FULL twin
+ * without bounds checks for the 16-bit pairs; block_smem once for
+ * LayerNorm and once for RMSNorm. Timed by bench/bench_norm.c with CUDA
+ * events against the device's copy bandwidth.
  */
 #include "kernels/norm_cuda_internal.cuh"
 
@@ -244,7 +246,7 @@ template <typename T, typename W, bool LN>
 __global__ void __maxnreg__(40) fwd_smem(const Params p)
 {
 	constexpr int VEC = 16 / sizeof(T);
-	extern __shared__ uint4 stage[]; /* [2 stages][nvec] */
+	extern __shared__ uint4 stage[]; /* [p.stages][nvec] */
 	__shared__ RedSmem sm;
 	const int t = threadIdx.x, G = blockDim.x;
 	const int n = p.nvec;
