@@ -343,7 +343,7 @@ int launch_reciprocal_gamma(const struct nk_norm_args *a, float *rg, cudaStream_
 	return check_launch("reciprocal_gamma launch");
 }
 
-int launch_finish(const struct nk_norm_args *a, const float *part, int64_t part_rows,
+int launch_finish(const struct nk_norm_args *a, float *part, int64_t part_rows,
 		  uint32_t *clamped_cols, cudaStream_t stream)
 {
 	const bool memeff = a->flags & NK_MEMORY_EFFICIENT;
@@ -356,7 +356,7 @@ int launch_finish(const struct nk_norm_args *a, const float *part, int64_t part_
 			const float *rows = part;
 			int64_t nrows = part_rows;
 			if (chunks > 1) {
-				float *mid = const_cast<float *>(part) + mid_offset(a, part_rows);
+				float *mid = part + mid_offset(a, part_rows);
 				const int64_t chunk = (part_rows + chunks - 1) / chunks;
 				reduce_partial_chunks<<<dim3(col_blocks, a->dbeta ? 2 : 1,
 							     (unsigned)chunks),

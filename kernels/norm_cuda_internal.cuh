@@ -169,8 +169,11 @@ size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s,
 			const struct nk_device_info *dev);
 /* Memory-efficient backward: rg[c] = 1 / clamp(gamma[c]), before the kernel. */
 int launch_reciprocal_gamma(const struct nk_norm_args *a, float *rg, cudaStream_t stream);
-/* Sums partials into dgamma/dbeta and counts clamped gamma entries. */
-int launch_finish(const struct nk_norm_args *a, const float *part, int64_t part_rows,
+/*
+ * Sums the partial rows at `part` (workspace; the chunk sums go after them,
+ * mid_offset) into dgamma/dbeta and counts clamped gamma entries.
+ */
+int launch_finish(const struct nk_norm_args *a, float *part, int64_t part_rows,
 		  uint32_t *clamped_cols, cudaStream_t stream);
 
 /* Fills Params from a job. */
