@@ -9,6 +9,8 @@ build=${1:-build}
 only=${2:-}
 logs=${BENCH_LOG_DIR:-/tmp}
 mkdir -p "$logs"
+# Libraries the GPU machine lacks (it has no Debian packages), copied by `make gpu-progs`.
+export LD_LIBRARY_PATH="$build/lib/gpu-host${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 "$build/bench/bench_norm" $only > "$logs/bench_normd.log"
 python3 "$(dirname "$0")/bench_torch.py" $only > "$logs/bench_torch.log"
 python3 - "$logs/bench_normd.log" "$logs/bench_torch.log" <<'PY'
