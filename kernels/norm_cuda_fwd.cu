@@ -71,8 +71,9 @@ __device__ __forceinline__ void row_stats(const Params &p, const float *x, const
 		 * Full warp rows: one pass of sum(x) and sum(x * x) and one
 		 * butterfly. Its variance loses at most a bit to cancellation
 		 * where mean^2 <= variance; if any row of the warp is not such
-		 * a row (or is not finite), the whole warp takes the two passes
-		 * below (warp-uniform, since their butterflies span the warp).
+		 * a row, or its sum of squares is not finite (overflow: bf16
+		 * values near 1e18), the whole warp takes the two passes below
+		 * (warp-uniform, since their butterflies span the warp).
 		 */
 		float q[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -82,7 +83,7 @@ __device__ __forceinline__ void row_stats(const Params &p, const float *x, const
 		}
 		butterfly<SumOp<2>>(q, p.G);
 		const float m = q[0] * p.inv_cols, var = q[1] * p.inv_cols - m * m;
-		if (__all_sync(0xffffffffu, m * m <= var)) {
+		if (__all_sync(0xffffffffu, isfinite(var) && m * m <= var)) {
 			*mean = m;
 			*rstd = rsqrtf(var + p.eps);
 			return;
@@ -279,9 +280,10 @@ __global__ void __maxnreg__(40) fwd_smem(const Params p)
 		float mean = 0.0f, var = -1.0f; /* var < 0: not known yet */
 		if (LN) {
 			/*
-			 * One pass of sum(x) and sum(x * x), kept where mean^2 <=
-			 * variance (as accurate as two passes there; every thread
-			 * holds the same sums, so the choice is block-uniform).
+			 * One pass of sum(x) and sum(x * x), kept where it is finite
+			 * and mean^2 <= variance (as accurate as two passes there;
+			 * every thread holds the same sums, so the choice is
+			 * block-uniform).
 			 */
 			float s2[2] = {0.0f, 0.0f};
 #pragma unroll 2
@@ -298,7 +300,7 @@ __global__ void __maxnreg__(40) fwd_smem(const Params p)
 			parity ^= 1;
 			mean = s2[0] * p.inv_cols;
 			const float one_pass = s2[1] * p.inv_cols - mean * mean;
-			if (mean * mean <= one_pass)
+			if (isfinite(one_pass) && mean * mean <= one_pass)
 				var = one_pass;
 		}
 		if (!LN || !(var >= 0.0f)) { /* RMSNorm (mean 0), or LayerNorm's second pass */

@@ -191,12 +191,15 @@ __device__ __forceinline__ float sum_partial_rows(const float *base, int64_t r0,
 /*
  * First of two finishing steps when there are many partial rows: chunk
  * blockIdx.z of `chunk` partial rows of dgamma (blockIdx.y 0) or dbeta (1)
- * into row blockIdx.z of `mid` (chunks x cols for each of the two).
+ * into row blockIdx.z of `mid` (chunks x cols for each of the two), for
+ * those of the two in `wanted` (bit 0 dgamma, bit 1 dbeta).
  */
 __global__ void __launch_bounds__(256)
     reduce_partial_chunks(const float *part, int64_t part_rows, int64_t chunk, int64_t cols,
-			  float *mid)
+			  unsigned wanted, float *mid)
 {
+	if (!(wanted & (1u << blockIdx.y))) /* partials nobody wrote */
+		return;
 	const int64_t col = (int64_t)blockIdx.x * 32 + threadIdx.x;
 	const float *base = part + (int64_t)blockIdx.y * part_rows * cols;
 	const int64_t r0 = (int64_t)blockIdx.z * chunk;
@@ -361,7 +364,8 @@ int launch_finish(const struct nk_norm_args *a, float *part, int64_t part_rows,
 				reduce_partial_chunks<<<dim3(col_blocks, a->dbeta ? 2 : 1,
 							     (unsigned)chunks),
 							dim3(32, 8), 0, stream>>>(
-				    part, part_rows, chunk, a->cols, mid);
+				    part, part_rows, chunk, a->cols,
+				    (a->dgamma ? 1u : 0u) | (a->dbeta ? 2u : 0u), mid);
 				if (check_launch("reduce_partial_chunks launch") != NK_OK)
 					return NK_EDEVICE;
 				rows = mid;

@@ -829,9 +829,10 @@ static bool fp32_bwd_default(const struct nk_norm_args *a, const struct nk_devic
  * threads, two blocks a multiprocessor: at bf16 12288 columns a cluster
  * of 3 such blocks ran at 87-93% of copy bandwidth in four runs, 2 blocks
  * of 384 threads at 84-96%. On the H100 (BENCHMARKS.md, 2026-11-22) the
- * defaults ran at 85-98% from 8192 to 32768 columns, memory-efficient
- * included, where block_smem and the split rows ran at 55-86%. (fp32
- * memory-efficient rows up to 8192 columns keep fp32_bwd_default.)
+ * defaults ran at 85-98% from 8192 to 32768 columns, where block_smem and
+ * the split rows ran at 55-86%. (fp32 memory-efficient rows up to 8192
+ * columns keep fp32_bwd_default; 16-bit memory-efficient rows of 8192
+ * columns stay on block_row, below.)
  */
 static bool tma_bwd_default(const struct nk_norm_args *a, const struct nk_device_info *dev,
 			    struct nk_variant *v)
@@ -841,9 +842,10 @@ static bool tma_bwd_default(const struct nk_norm_args *a, const struct nk_device
 		return false;
 	const int64_t K = (nvec + MAX_THREADS * nv - 1) / (MAX_THREADS * nv);
 	/*
-	 * Memory-efficient rows of one block (bf16 8192) stay tiled: there
-	 * block_row/t512 measured 92.5-93% against 89-91.5% (two runs), and
-	 * within 0.5% of its standard backward.
+	 * Memory-efficient rows of one block (16-bit 8192 columns; fp32 rows
+	 * that short are fp32_bwd_default's) stay tiled: there block_row/t512
+	 * measured 92.5-93% against 89-91.5% (two runs), and within 0.5% of
+	 * its standard backward.
 	 */
 	if (K == 1 && (a->flags & NK_MEMORY_EFFICIENT))
 		return false;
