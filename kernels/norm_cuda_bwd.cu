@@ -734,15 +734,11 @@ int launch_bwd_smem_ring(const struct nk_norm_args *a, const struct nk_device_in
 int launch_bwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
 		     float *part, const float *rg, float *sums, cudaStream_t stream)
 {
-	Params p = params_of(a);
+	Params p = params_of(a, s);
 	p.rg = rg;
 	p.sums = sums;
 	if (s.split)
 		p.f |= F_PRESUMS;
-	p.G = s.G;
-	p.K = s.K;
-	p.R = s.R;
-	p.iters = (a->rows + s.R - 1) / s.R;
 	p.part = part;
 	p.part_rows = partial_rows(a, s);
 	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {

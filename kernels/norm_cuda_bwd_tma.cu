@@ -283,12 +283,8 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 int launch_bwd_tma(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
 		   float *part, const float *rg, cudaStream_t stream)
 {
-	Params p = params_of(a);
+	Params p = params_of(a, s);
 	p.rg = rg;
-	p.G = s.G;
-	p.K = s.K;
-	p.R = s.R;
-	p.iters = (a->rows + s.R - 1) / s.R;
 	p.part = part;
 	p.part_rows = partial_rows(a, s);
 	p.stages = s.stages;

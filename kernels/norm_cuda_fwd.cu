@@ -391,11 +391,7 @@ int launch_fwd_smem(const struct nk_norm_args *a, const struct nk_device_info *d
 int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
 		     cudaStream_t stream)
 {
-	Params p = params_of(a);
-	p.G = s.G;
-	p.K = s.K;
-	p.R = s.R;
-	p.iters = (a->rows + s.R - 1) / s.R;
+	Params p = params_of(a, s);
 	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
 		using T = decltype(tt);
 		using W = decltype(wt);

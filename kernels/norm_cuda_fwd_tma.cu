@@ -219,11 +219,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) fwd_tma(const Params p)
 int launch_fwd_tma(const struct nk_norm_args *a, const struct nk_device_info *dev, const Shape &s,
 		   cudaStream_t stream)
 {
-	Params p = params_of(a);
-	p.G = s.G;
-	p.K = s.K;
-	p.R = s.R;
-	p.iters = (a->rows + s.R - 1) / s.R;
+	Params p = params_of(a, s);
 	p.stages = s.stages;
 	const int64_t units = p.iters < s.units_cap ? p.iters : s.units_cap;
 	const size_t smem = tma_stage_bytes(a, s);

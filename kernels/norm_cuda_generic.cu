@@ -289,11 +289,8 @@ template <auto kern> int64_t generic_grid(const Params &p, const struct nk_devic
 int launch_fwd_generic(const struct nk_norm_args *a, const struct nk_device_info *dev,
 		       const Shape &s, cudaStream_t stream)
 {
-	Params p = params_of(a);
-	p.G = s.G;
-	p.K = 1;
-	p.R = s.R;
-	p.iters = (a->rows + s.R - 1) / s.R;
+	Params p = params_of(a, s);
+	p.K = 1; /* generic rows never span blocks */
 	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
 		constexpr auto kern = fwd_generic<decltype(tt), decltype(wt)>;
 		return launch2d(kern, dim3((unsigned)generic_grid<kern>(p, dev)),
@@ -304,11 +301,8 @@ int launch_fwd_generic(const struct nk_norm_args *a, const struct nk_device_info
 int launch_bwd_generic(const struct nk_norm_args *a, const struct nk_device_info *dev,
 		       const Shape &s, float *part, cudaStream_t stream)
 {
-	Params p = params_of(a);
-	p.G = s.G;
-	p.K = 1;
-	p.R = s.R;
-	p.iters = (a->rows + s.R - 1) / s.R;
+	Params p = params_of(a, s);
+	p.K = 1; /* generic rows never span blocks */
 	p.part = part;
 	p.part_rows = partial_rows(a, s);
 	p.part_per = (a->rows + p.part_rows - 1) / p.part_rows;

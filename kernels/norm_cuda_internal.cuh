@@ -178,6 +178,8 @@ int launch_finish(const struct nk_norm_args *a, float *part, int64_t part_rows,
 
 /* Fills Params from a job. */
 Params params_of(const struct nk_norm_args *a);
+/* Params of a job on a row-group shape: G threads a row, R rows a group, K blocks a row. */
+Params params_of(const struct nk_norm_args *a, const Shape &s);
 
 /* ---- device helpers -------------------------------------------------------- */
 

@@ -148,6 +148,16 @@ Params params_of(const struct nk_norm_args *a)
 	return p;
 }
 
+Params params_of(const struct nk_norm_args *a, const Shape &s)
+{
+	Params p = params_of(a);
+	p.G = s.G;
+	p.K = s.K;
+	p.R = s.R;
+	p.iters = (a->rows + s.R - 1) / s.R;
+	return p;
+}
+
 static int vec_of(const struct nk_norm_args *a)
 {
 	return 16 / (int)nk_dtype_size(a->dtype);
