@@ -7,10 +7,10 @@
  * LayerNorm statistics are those of two passes over the registers (mean,
  * then squared deviations; row_stats), or of one pass of sum(x) and
  * sum(x * x) on full 16-bit warp rows where that is as accurate (mean^2 <=
- * variance, checked per warp); RMSNorm reduces the sum of squares.
- * While a row is reduced, the next row the group owns is already being
- * loaded. The grid is persistent: as many blocks as are resident on the
- * device, striding over row groups.
+ * variance, checked per warp or block); RMSNorm reduces the sum of
+ * squares. The grid holds every row group; at most 64 registers a thread
+ * keep 32 warps a multiprocessor resident, whose loads are what keeps
+ * device memory busy (fwd_tiled).
  *
  * Built by `make` (nvcc -O3, sm_80 and sm_90 machine code plus compute_90
  * PTX); instantiated for the five (x, weight) dtype pairs and NV in
@@ -26,9 +26,36 @@ namespace nkc
 namespace
 {
 
+/* Whether this device code may run in a cluster (sm_90); sm_80 code never does. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr bool HAS_CLUSTERS = false;
+#else
+constexpr bool HAS_CLUSTERS = true;
+#endif
+
+/*
+ * The vectors of a row a thread owns: j-th at first + j * step (first =
+ * rank * G + t, step = K * G), fewer than nvec unless the row is short.
+ */
+struct Owned {
+	int first;
+	int step;
+	__device__ __forceinline__ int at(int j) const
+	{
+		return first + j * step;
+	}
+};
+
+/* Whether the j-th vector a thread owns is inside the row (FULL: always). */
+template <bool FULL>
+__device__ __forceinline__ bool has_vector(const Params &p, Owned o, int j)
+{
+	return FULL || o.at(j) < p.nvec;
+}
+
 /* Loads the NV vectors of one row a thread owns; missing ones are zero. */
 template <typename T, int NV, bool FULL>
-__device__ __forceinline__ void load_row(const Params &p, int64_t row, bool valid, const int *vi,
+__device__ __forceinline__ void load_row(const Params &p, int64_t row, bool valid, Owned o,
 					 uint4 *out)
 {
 	const uint4 *base = reinterpret_cast<const uint4 *>(static_cast<const T *>(p.x) +
@@ -36,91 +63,109 @@ __device__ __forceinline__ void load_row(const Params &p, int64_t row, bool vali
 #pragma unroll
 	for (int j = 0; j < NV; j++) {
 		out[j] = make_uint4(0, 0, 0, 0);
-		if (valid && (FULL || vi[j] < p.nvec))
-			out[j] = load_stream(base + vi[j]);
+		if (valid && has_vector<FULL>(p, o, j))
+			out[j] = load_stream(base + o.at(j));
 	}
 }
 
 /*
- * The statistics of a row, reduced over its row group. `parity` flips with
- * every reduction (see group_reduce). LayerNorm on a single block takes two
- * cheap sum reductions (the mean, then the sum of squared deviations); a
- * cluster, whose barriers cost more, takes one reduction of (count, mean,
- * M2) triples merged with Chan's formula. Both are as robust as two passes.
- * Full warp rows (FULL: K = 1, G <= 32) first try one pass (below): 0.4-0.5
- * points at bf16 512 and 1024 columns on the H100.
+ * The statistics of a row, reduced over its row group, from the packed
+ * vectors `v` (unpacked again for each pass: cheaper than keeping the
+ * floats live, which costs registers, hence occupancy). `parity` flips with
+ * every reduction (see group_reduce). LayerNorm takes one pass of sum(x)
+ * and sum(x * x) where that is as accurate as two (mean^2 <= variance, and
+ * finite: bf16 values near 1e18 overflow the squares); where any row of
+ * the warp (rows of a warp) or the block (block rows) is not such a row,
+ * they all add the second pass over squared deviations (the choice must be
+ * uniform where the reductions span rows). A cluster merges (count, mean,
+ * M2) triples with Chan's formula instead (its barriers cost more).
+ * RMSNorm reduces the sum of squares.
  */
-template <typename T, int NV, bool FULL>
-__device__ __forceinline__ void row_stats(const Params &p, const float *x, const int *vi,
+template <typename T, int NV, bool FULL, bool LN>
+__device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned o,
 					  RedSmem &sm, int &parity, float *mean, float *rstd)
 {
 	constexpr int VEC = 16 / sizeof(T);
-	if (!(p.f & F_LN)) {
+	if (!LN) {
 		float q[1] = {0.0f};
 #pragma unroll
-		for (int e = 0; e < NV * VEC; e++)
-			q[0] += x[e] * x[e];
+		for (int j = 0; j < NV; j++) {
+			float x[VEC];
+			unpack<T>(v[j], x);
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				q[0] += x[i] * x[i];
+		}
 		group_reduce<SumOp<1>>(q, p.G, p.K, sm, parity);
 		parity ^= 1;
 		*mean = 0.0f;
 		*rstd = rsqrtf(q[0] * p.inv_cols + p.eps);
 		return;
 	}
-	if (FULL) {
-		/*
-		 * Full warp rows: one pass of sum(x) and sum(x * x) and one
-		 * butterfly. Its variance loses at most a bit to cancellation
-		 * where mean^2 <= variance; if any row of the warp is not such
-		 * a row, or its sum of squares is not finite (overflow: bf16
-		 * values near 1e18), the whole warp takes the two passes below
-		 * (warp-uniform, since their butterflies span the warp).
-		 */
-		float q[2] = {0.0f, 0.0f};
+	if (FULL || !HAS_CLUSTERS || p.K == 1) { /* FULL rows are never a cluster's */
+		float s[2] = {0.0f, 0.0f};
 #pragma unroll
-		for (int e = 0; e < NV * VEC; e++) {
-			q[0] += x[e];
-			q[1] += x[e] * x[e];
+		for (int j = 0; j < NV; j++) {
+			float x[VEC];
+			unpack<T>(v[j], x);
+#pragma unroll
+			for (int i = 0; i < VEC; i++) {
+				s[0] += x[i];
+				s[1] += x[i] * x[i];
+			}
 		}
-		butterfly<SumOp<2>>(q, p.G);
-		const float m = q[0] * p.inv_cols, var = q[1] * p.inv_cols - m * m;
-		if (__all_sync(0xffffffffu, isfinite(var) && m * m <= var)) {
-			*mean = m;
+		group_reduce<SumOp<2>>(s, p.G, 1, sm, parity);
+		parity ^= 1;
+		const float m = s[0] * p.inv_cols, var = s[1] * p.inv_cols - m * m;
+		const bool exact = isfinite(var) && m * m <= var;
+		const bool all_exact =
+		    p.G > 32 ? __syncthreads_and(exact) : __all_sync(0xffffffffu, exact);
+		*mean = m;
+		if (all_exact) {
 			*rstd = rsqrtf(var + p.eps);
 			return;
 		}
-	}
-	float s = 0.0f, n = 0.0f;
+		float q[1] = {0.0f};
 #pragma unroll
-	for (int j = 0; j < NV; j++) {
-		if (FULL || vi[j] < p.nvec) {
-			n += (float)VEC;
+		for (int j = 0; j < NV; j++) {
+			float x[VEC];
+			unpack<T>(v[j], x);
+			if (has_vector<FULL>(p, o, j)) {
 #pragma unroll
-			for (int i = 0; i < VEC; i++)
-				s += x[j * VEC + i];
-		}
-	}
-	float w[3] = {n, s, 0.0f};
-	if (p.K == 1) {
-		group_reduce<SumOp<1>>(&w[1], p.G, 1, sm, parity);
-		parity ^= 1;
-		w[1] *= p.inv_cols;
-	} else if (n > 0.0f) {
-		w[1] = __fdividef(s, n);
-	}
-#pragma unroll
-	for (int j = 0; j < NV; j++) {
-		if (FULL || vi[j] < p.nvec) {
-#pragma unroll
-			for (int i = 0; i < VEC; i++) {
-				float d = x[j * VEC + i] - w[1];
-				w[2] += d * d;
+				for (int i = 0; i < VEC; i++)
+					q[0] += (x[i] - m) * (x[i] - m);
 			}
 		}
+		group_reduce<SumOp<1>>(q, p.G, 1, sm, parity);
+		parity ^= 1;
+		*rstd = rsqrtf(q[0] * p.inv_cols + p.eps);
+		return;
 	}
-	if (p.K == 1)
-		group_reduce<SumOp<1>>(&w[2], p.G, 1, sm, parity);
-	else
-		group_reduce<WelfordOp>(w, p.G, p.K, sm, parity);
+	float w[3] = {0.0f, 0.0f, 0.0f}; /* count, mean, M2 of this thread's part */
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		float x[VEC];
+		unpack<T>(v[j], x);
+		if (has_vector<FULL>(p, o, j)) {
+			w[0] += (float)VEC;
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				w[1] += x[i];
+		}
+	}
+	if (w[0] > 0.0f)
+		w[1] = __fdividef(w[1], w[0]);
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		float x[VEC];
+		unpack<T>(v[j], x);
+		if (has_vector<FULL>(p, o, j)) {
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				w[2] += (x[i] - w[1]) * (x[i] - w[1]);
+		}
+	}
+	group_reduce<WelfordOp>(w, p.G, p.K, sm, parity);
 	parity ^= 1;
 	*mean = w[1];
 	*rstd = rsqrtf(w[2] * p.inv_cols + p.eps);
@@ -153,80 +198,77 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 	__stcs(out + v, pack<T>(y));
 }
 
-/* y of the NV vectors a thread owns. */
+/* y of the NV vectors a thread owns (packed in `v`). */
 template <typename T, typename W, int NV, bool FULL>
-__device__ __forceinline__ void write_row(const Params &p, int64_t row, const float *x,
-					  const int *vi, float mean, float rstd)
+__device__ __forceinline__ void write_row(const Params &p, int64_t row, const uint4 *v, Owned o,
+					  float mean, float rstd)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.y) + row * p.cols);
 #pragma unroll
 	for (int j = 0; j < NV; j++) {
-		if (FULL || vi[j] < p.nvec)
-			write_vector<T, W>(p, out, vi[j], x + j * VEC, mean, rstd);
+		if (has_vector<FULL>(p, o, j)) {
+			float x[VEC];
+			unpack<T>(v[j], x);
+			write_vector<T, W>(p, out, o.at(j), x, mean, rstd);
+		}
 	}
 }
 
-template <typename T, typename W, int NV, bool FULL>
-__global__ void __launch_bounds__(MAX_THREADS, 1) fwd_tiled(const Params p)
+/*
+ * One row group (R rows of G threads, or a row of K blocks) a block at a
+ * time, and a grid of every row group: a block loads its rows, reduces and
+ * writes them, and the hardware starts the next block in its place. At
+ * most 64 registers a thread (two blocks of 512 threads, four of 256, a
+ * multiprocessor), so 32 warps a multiprocessor keep their loads in
+ * flight. On the H100 this ran at 96-99% of copy bandwidth for rows of 512
+ * to 4096 columns, where a persistent grid of the same kernel ran at
+ * 91-94%, and the persistent kernel that loaded the next row while
+ * reducing this one (over 100 registers, 16 warps a multiprocessor) at
+ * 90-94% (BENCHMARKS.md, session 5).
+ */
+template <typename T, typename W, int NV, bool FULL, bool LN>
+__global__ void __launch_bounds__(MAX_THREADS, 2) fwd_tiled(const Params p)
 {
-	constexpr int VEC = 16 / sizeof(T);
 	__shared__ RedSmem sm;
 	const int g = threadIdx.x / p.G, t = threadIdx.x % p.G;
 	const int rank = cluster_rank(p.K);
-	const int64_t first = blockIdx.x / p.K, stride = gridDim.x / p.K;
-	const int64_t iters = p.iters;
-	int vi[NV];
-	uint4 cur[NV];
+	const Owned o = {rank * p.G + t, p.K * p.G};
 	int parity = 0;
 
-#pragma unroll
-	for (int j = 0; j < NV; j++)
-		vi[j] = (j * p.K + rank) * p.G + t;
-	load_row<T, NV, FULL>(p, first * p.R + g, first < iters && first * p.R + g < p.rows, vi, cur);
-	for (int64_t it = first; it < iters; it += stride) {
-		const int64_t row = it * p.R + g, next = (it + stride) * p.R + g;
+	for (int64_t it = blockIdx.x / p.K; it < p.iters; it += gridDim.x / p.K) {
+		const int64_t row = it * p.R + g;
 		const bool valid = row < p.rows;
-		uint4 nxt[NV];
-		float x[NV * VEC], mean, rstd;
+		uint4 v[NV];
+		float mean, rstd;
 
-		load_row<T, NV, FULL>(p, next, it + stride < iters && next < p.rows, vi, nxt);
-#pragma unroll
-		for (int j = 0; j < NV; j++)
-			unpack<T>(cur[j], x + j * VEC);
-		row_stats<T, NV, FULL>(p, x, vi, sm, parity, &mean, &rstd);
-		/* Unpack again rather than keep the floats across the barrier. */
-#pragma unroll
-		for (int j = 0; j < NV; j++) {
-			launder(cur[j]);
-			unpack<T>(cur[j], x + j * VEC);
-		}
+		load_row<T, NV, FULL>(p, row, valid, o, v);
+		row_stats<T, NV, FULL, LN>(p, v, o, sm, parity, &mean, &rstd);
 		if (valid) {
-			write_row<T, W, NV, FULL>(p, row, x, vi, mean, rstd);
+			write_row<T, W, NV, FULL>(p, row, v, o, mean, rstd);
 			if (t == 0 && rank == 0 && p.mean)
 				p.mean[row] = mean;
 			if (t == 0 && rank == 0 && p.rstd)
 				p.rstd[row] = rstd;
 		}
-#pragma unroll
-		for (int j = 0; j < NV; j++)
-			cur[j] = nxt[j];
 	}
 	cluster_done(p.K);
 }
 
-template <typename T, typename W, int NV, bool FULL>
-int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaStream_t stream)
-{
-	constexpr auto kern = fwd_tiled<T, W, NV, FULL>;
-	int64_t units = (p.rows + s.R - 1) / s.R;
-	int64_t resident = (int64_t)dev->sm_count * resident_blocks<kern>(s.threads) / s.K;
+/* Most blocks a forward grid has (a 1-D grid allows 2^31 - 1); the kernel strides past them. */
+constexpr int64_t FWD_MAX_GRID = (int64_t)1 << 30;
 
-	if (resident < 1)
-		resident = 1;
-	if (units > resident)
-		units = resident;
-	cudaError_t err = launch_kernel(kern, units * s.K, s.threads, s.K, stream, p);
+template <typename T, typename W, int NV, bool FULL>
+int run(const Params &p, const Shape &s, cudaStream_t stream)
+{
+	int64_t units = p.iters;
+
+	if (units > FWD_MAX_GRID / s.K)
+		units = FWD_MAX_GRID / s.K;
+	cudaError_t err = (p.f & F_LN) ? launch_kernel(fwd_tiled<T, W, NV, FULL, true>, units * s.K,
+						       s.threads, s.K, stream, p)
+				       : launch_kernel(fwd_tiled<T, W, NV, FULL, false>, units * s.K,
+						       s.threads, s.K, stream, p);
 	return err == cudaSuccess ? NK_OK : set_error(err, "forward kernel launch");
 }
 
@@ -392,6 +434,7 @@ int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *
 		     cudaStream_t stream)
 {
 	Params p = params_of(a, s);
+	(void)dev; /* the grid is every row group, whatever the device */
 	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
 		using T = decltype(tt);
 		using W = decltype(wt);
@@ -408,9 +451,9 @@ int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *
 			 */
 			if constexpr (sizeof(T) == 2 && sizeof(W) == 2) {
 				if (p.G <= 32 && p.K == 1 && p.nvec == NV * p.G)
-					return run<T, W, NV, true>(p, dev, s, stream);
+					return run<T, W, NV, true>(p, s, stream);
 			}
-			return run<T, W, NV, false>(p, dev, s, stream);
+			return run<T, W, NV, false>(p, s, stream);
 		});
 	});
 }

@@ -788,22 +788,6 @@ static bool smem_default(const struct nk_norm_args *a, const struct nk_device_in
 }
 
 /*
- * Whether a forward row that one block holds in registers runs better staged:
- * a tiled block that leaves fewer than 16 warps resident on a multiprocessor
- * (1.5 blocks' worth of registers, e.g. 384 threads at 12288 bf16 columns)
- * loses 2-7% to block_smem, which holds no row in registers.
- */
-static bool fwd_prefers_smem(const struct nk_norm_args *a, const struct nk_variant *tiled)
-{
-	const Shape s = shape_of(tiled);
-	if (is_bwd(a) || s.family != NK_FAMILY_BLOCK_ROW || s.R != 1 || s.K != 1)
-		return false;
-	const int regs = 112; /* forward tiled at 32 elements a thread, rounded */
-	const int blocks = 65536 / (s.threads * regs);
-	return blocks * s.threads / 32 < 16;
-}
-
-/*
  * The fp32 backward defaults measured on the H100 (BENCHMARKS.md,
  * 2026-11-22), where block_smem beat the rows held in registers:
  *  - 513..4096 columns (128 < vectors <= 1024): block_smem with one vector
@@ -869,35 +853,57 @@ static bool tma_bwd_default(const struct nk_norm_args *a, const struct nk_device
 }
 
 /*
- * The sm_90 defaults of tma_slice rows on a warp's lanes (one block of 512
+ * The sm_90 default of tma_slice rows on a warp's lanes (one block of 512
  * threads a multiprocessor), where they beat the tiled kernels on the H100
- * (BENCHMARKS.md, 2026-11-22): forward rows of 16 to 32 vectors (measured
- * at 128 columns: bf16 85-86% -> 88%, fp32 85% -> 91% of copy bandwidth),
- * fp32 backward rows of 65 to 128 vectors (measured at 512 columns: 84-87%
- * -> 95%, memory-efficient included).
+ * (BENCHMARKS.md, 2026-11-22): fp32 backward rows of 65 to 128 vectors
+ * (measured at 512 columns: 84-87% -> 95%, memory-efficient included).
+ * (Forward rows of 16 to 32 vectors ran here too until the tiled forward
+ * overtook it, 88-91% -> 93-98% at 128 columns, session 5.)
  */
 static bool tma_narrow_default(const struct nk_norm_args *a, const struct nk_device_info *dev,
 			       struct nk_variant *v)
 {
 	const int64_t nvec = a->cols / vec_of(a);
-	const bool fwd_rows = !is_bwd(a) && nvec >= 16 && nvec <= 32;
 	const bool bwd_rows = is_bwd(a) && vec_of(a) == 4 && nvec > 64 && nvec <= 128;
-	return (fwd_rows || bwd_rows) && tma_variant(a, dev, 1, 1, v);
+	return bwd_rows && tma_variant(a, dev, 1, 1, v);
 }
 
 /*
- * Vectors a thread of the default tiled kernel holds: the most, except for
- * RMSNorm forward of 16-bit rows of 128 to 512 vectors (1024 to 4096
- * columns), where two a thread (more threads a row) measured 91-94% of copy
- * bandwidth against 89-92% with four on the H100 (BENCHMARKS.md), and
- * beat PyTorch's RMSNorm, which four did not at 1024 and 2048 columns.
+ * The forward defaults measured on the H100 (BENCHMARKS.md, session 5,
+ * 2026-11-24), the tiled kernel at 64 registers a thread on a grid of
+ * every row group:
+ *  - 16-bit rows of up to 1024 vectors (8192 columns): four vectors a
+ *    thread, 256 threads a block (four blocks a multiprocessor): 93-98% of
+ *    copy bandwidth from 128 to 8192 columns; two vectors measured 1-7%
+ *    slower, one 15-30%, tma_slice 4-10%;
+ *  - wider 16-bit rows: block_smem, four vectors a thread (384 to 1024
+ *    threads), 91-95% at 12288-32768 columns: the tiled kernel there has
+ *    one or two blocks of 384-512 threads a multiprocessor and measured
+ *    82-95%, unevenly (fp32, with twice the bytes a thread in flight,
+ *    does not: 98% at 12288 and 16384);
+ *  - fp32: RMSNorm rows of up to 1024 vectors two a thread (98-100%),
+ *    LayerNorm rows of up to 2048 vectors four (96-100%), wider rows the
+ *    most (eight).
+ * False where no rule applies or its variant does not fit (unaligned
+ * tensors: the caller's fallbacks).
  */
-static int default_nv(const struct nk_norm_args *a)
+static bool fwd_default(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			struct nk_variant *v)
 {
 	const int64_t nvec = a->cols / vec_of(a);
-	if (a->op == NK_RMSNORM_FWD && vec_of(a) == 8 && nvec >= 128 && nvec <= 512)
-		return 2;
-	return max_nv(a);
+	if (is_bwd(a))
+		return false;
+	if (vec_of(a) == 8) {
+		if (nvec <= 1024)
+			return tiled_variant(a, dev, 4, 256, MAX_THREADS, false, v);
+		return smem_variant(a, dev, 4, 1, SMEM_FWD_MAX_THREADS, v);
+	}
+	int nv = max_nv(a);
+	if (a->op == NK_RMSNORM_FWD && nvec <= 1024)
+		nv = 2;
+	else if (a->op == NK_LAYERNORM_FWD && nvec <= 2048)
+		nv = 4;
+	return tiled_variant(a, dev, nv, 256, MAX_THREADS, false, v) && shape_of(v).K == 1;
 }
 
 int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_device_info *dev,
@@ -905,17 +911,10 @@ int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_dev
 {
 	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
 		return NK_EINVAL;
-	int nv = default_nv(args);
-	if (fp32_bwd_default(args, dev, out) || tma_bwd_default(args, dev, out) ||
-	    tma_narrow_default(args, dev, out))
+	int nv = max_nv(args); /* fwd_default aside, the tiled defaults hold the most */
+	if (fwd_default(args, dev, out) || fp32_bwd_default(args, dev, out) ||
+	    tma_bwd_default(args, dev, out) || tma_narrow_default(args, dev, out))
 		return NK_OK;
-	if (tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) &&
-	    fwd_prefers_smem(args, out)) {
-		struct nk_variant v;
-		if (smem_variant(args, dev, nv, 1, SMEM_FWD_MAX_THREADS, &v))
-			*out = v;
-		return NK_OK;
-	}
 	if (!tiled_variant(args, dev, nv, 256, MAX_THREADS, false, out) || shape_of(out).K > 1) {
 		/*
 		 * Rows wider than a block's registers: the row staged in shared

@@ -191,8 +191,10 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
  * 2: block_smem for rows too wide for registers (2026-11-22).
  * 3: block_smem ring candidates for the widest backward rows (2026-11-22).
  * 4: tma_slice backward for rows wider than a block's registers (2026-11-22).
+ * 5: the tiled forward runs a grid of every row group at 64 registers a
+ *    thread, and its defaults changed (2026-11-24).
  */
-#define NK_VARIANT_SET 4
+#define NK_VARIANT_SET 5
 
 /* Which kernel family a variant runs. */
 enum nk_variant_family {

@@ -397,26 +397,51 @@ static void test_corrupt_tma_slice_refused(void **state)
 	assert_false(nk_cuda_variant_fits(&misaligned, &h100, &good));
 }
 
+/* The forward default of op on dtype at cols, on device d: family, threads, vectors a thread. */
+static void expect_fwd(enum nk_op op, enum nk_dtype dt, int64_t cols,
+		       const struct nk_device_info *d, int family, int threads, int nv)
+{
+	struct nk_norm_args a = make_job(op, dt, dt, 0u, cols, rows_for(cols));
+	struct nk_variant v;
+	char name[96];
+
+	assert_int_equal(nk_cuda_variant_default(&a, d, &v), NK_OK);
+	nk_variant_name(&v, name, sizeof(name));
+	print_message("%s %s cols %lld cc %d: %s\n", nk_op_name(op), nk_dtype_name(dt),
+		      (long long)cols, d->cc_major, name);
+	assert_int_equal(v.family, family);
+	assert_int_equal(v.threads, threads);
+	assert_int_equal(v.param & 0xff, nv);
+	assert_true(nk_cuda_variant_fits(&a, d, &v));
+}
+
 /*
- * tma_narrow_default: forward rows of 16 to 32 vectors (bf16 128 columns)
- * go to tma_slice on sm_90, several rows a block on a warp's lanes; sm_80
- * has no tma_slice.
+ * fwd_default: 16-bit rows of up to 8192 columns on the tiled kernel, four
+ * vectors a thread, 256 threads (no tma_slice, on sm_90 either); wider
+ * 16-bit rows staged (block_smem, four vectors a thread); fp32 RMSNorm two
+ * vectors a thread up to 1024 vectors, LayerNorm four up to 2048, then
+ * eight.
  */
-static void test_narrow_fwd_defaults(void **state)
+static void test_fwd_defaults(void **state)
 {
 	(void)state;
 	static const enum nk_op fwd_ops[] = {NK_LAYERNORM_FWD, NK_RMSNORM_FWD};
+	const struct nk_device_info *devs[] = {&h100, &a100};
 
 	for (size_t op = 0; op < COUNT(fwd_ops); op++) {
-		struct nk_norm_args a =
-		    make_job(fwd_ops[op], NK_BF16, NK_BF16, 0u, 128, rows_for(128));
-		struct nk_variant v;
-		assert_int_equal(nk_cuda_variant_default(&a, &h100, &v), NK_OK);
-		assert_int_equal(v.family, NK_FAMILY_TMA_SLICE);
-		assert_true(v.rows_per_block > 1);
-		assert_int_equal(nk_cuda_variant_default(&a, &a100, &v), NK_OK);
-		assert_int_not_equal(v.family, NK_FAMILY_TMA_SLICE);
+		for (size_t d = 0; d < COUNT(devs); d++) {
+			expect_fwd(fwd_ops[op], NK_BF16, 128, devs[d], NK_FAMILY_WARP_ROWS, 256, 4);
+			expect_fwd(fwd_ops[op], NK_F16, 512, devs[d], NK_FAMILY_WARP_ROWS, 256, 4);
+			expect_fwd(fwd_ops[op], NK_BF16, 2048, devs[d], NK_FAMILY_BLOCK_ROW, 256, 4);
+			expect_fwd(fwd_ops[op], NK_BF16, 8192, devs[d], NK_FAMILY_BLOCK_ROW, 256, 4);
+			expect_fwd(fwd_ops[op], NK_BF16, 16384, devs[d], NK_FAMILY_BLOCK_SMEM, 512, 4);
+		}
+		expect_fwd(fwd_ops[op], NK_BF16, 32768, &h100, NK_FAMILY_BLOCK_SMEM, 1024, 4);
+		expect_fwd(fwd_ops[op], NK_F32, 16384, &h100, NK_FAMILY_BLOCK_ROW, 512, 8);
 	}
+	expect_fwd(NK_RMSNORM_FWD, NK_F32, 128, &h100, NK_FAMILY_WARP_ROWS, 256, 2);
+	expect_fwd(NK_RMSNORM_FWD, NK_F32, 4096, &h100, NK_FAMILY_BLOCK_ROW, 512, 2);
+	expect_fwd(NK_LAYERNORM_FWD, NK_F32, 8192, &h100, NK_FAMILY_BLOCK_ROW, 512, 4);
 }
 
 int main(void)
@@ -428,7 +453,7 @@ int main(void)
 	    cmocka_unit_test(test_wide_bwd_defaults_to_tma_slice),
 	    cmocka_unit_test(test_one_block_memeff_stays_tiled),
 	    cmocka_unit_test(test_corrupt_tma_slice_refused),
-	    cmocka_unit_test(test_narrow_fwd_defaults),
+	    cmocka_unit_test(test_fwd_defaults),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
