@@ -416,6 +416,26 @@ static double jobkit_x_hat(const struct jobkit *kit, uint64_t r, uint64_t c)
 }
 
 /*
+ * The squared norm, over rows, of mean(|x|): the size LayerNorm's mean
+ * would have without cancellation (a row of few columns whose values
+ * nearly cancel has a mean near zero, whose correct fp32 rounding is large
+ * against the mean itself).
+ */
+static double mean_term_norm2(const struct jobkit *kit)
+{
+	const struct jobkit_spec *s = &kit->spec;
+	double sum = 0;
+	for (uint64_t r = 0; r < s->rows; r++) {
+		double row = 0;
+		for (uint64_t c = 0; c < s->cols; c++)
+			row += fabs(nk_load(role_dtype(s, JK_X), kit->ptr[JK_X], r * s->cols + c));
+		row /= (double)s->cols;
+		sum += row * row;
+	}
+	return sum;
+}
+
+/*
  * The squared norm, over columns, of the sums of |terms| that dgamma (dy *
  * x_hat) or dbeta (dy) add up over rows: the size the sums would have
  * without cancellation, against which their rounding is judged.
@@ -468,11 +488,14 @@ static void compare_output(const struct jobkit *kit, int role, const void *ref,
 	 * dx is a difference of terms of size rstd * dy * gamma that cancel
 	 * almost exactly over very few columns (LayerNorm over 1 or 2 columns):
 	 * a correct fp32 result is then judged against the size of those terms.
-	 * Other outputs are of order one, and are judged against themselves.
+	 * So are the weight gradients (sums over rows) and LayerNorm's mean (a
+	 * sum over columns). Other outputs are of order one, and are judged
+	 * against themselves.
 	 */
-	double scale2 = role == JK_DX ? dx_term_norm2(kit)
+	double scale2 = role == JK_DX			    ? dx_term_norm2(kit)
 			: role == JK_DGAMMA || role == JK_DBETA ? dweight_term_norm2(kit, role)
-								 : 0;
+			: role == JK_MEAN			    ? mean_term_norm2(kit)
+								    : 0;
 	bool within = rel_l2 < tolerance || (scale2 > ref2 && sqrt(err2 / scale2) < tolerance);
 	report->max_abs_err = fmax(report->max_abs_err, max_abs);
 	report->max_rel_err = fmax(report->max_rel_err, rel_max);
