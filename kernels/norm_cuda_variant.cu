@@ -875,7 +875,9 @@ static bool tma_narrow_default(const struct nk_norm_args *a, const struct nk_dev
  *  - 16-bit rows of up to 1024 vectors (8192 columns): four vectors a
  *    thread, 256 threads a block (four blocks a multiprocessor): 93-98% of
  *    copy bandwidth from 128 to 8192 columns; two vectors measured 1-7%
- *    slower, one 15-30%, tma_slice 4-10%;
+ *    slower, one 15-30%, tma_slice 4-10%; but RMSNorm rows of 129 to 512
+ *    vectors (2048, 4096 columns) two a thread: 95% in two runs, where
+ *    four measured 92-95% (and lost to PyTorch's 92.5% at 2048 once);
  *  - wider 16-bit rows: block_smem, four vectors a thread (384 to 1024
  *    threads), 91-95% at 12288-32768 columns: the tiled kernel there has
  *    one or two blocks of 384-512 threads a multiprocessor and measured
@@ -894,8 +896,9 @@ static bool fwd_default(const struct nk_norm_args *a, const struct nk_device_inf
 	if (is_bwd(a))
 		return false;
 	if (vec_of(a) == 8) {
+		const bool rms_mid = a->op == NK_RMSNORM_FWD && nvec > 128 && nvec <= 512;
 		if (nvec <= 1024)
-			return tiled_variant(a, dev, 4, 256, MAX_THREADS, false, v);
+			return tiled_variant(a, dev, rms_mid ? 2 : 4, 256, MAX_THREADS, false, v);
 		return smem_variant(a, dev, 4, 1, SMEM_FWD_MAX_THREADS, v);
 	}
 	int nv = max_nv(a);

@@ -417,7 +417,8 @@ static void expect_fwd(enum nk_op op, enum nk_dtype dt, int64_t cols,
 
 /*
  * fwd_default: 16-bit rows of up to 8192 columns on the tiled kernel, four
- * vectors a thread, 256 threads (no tma_slice, on sm_90 either); wider
+ * vectors a thread (RMSNorm at 2048-4096 columns two), 256 threads (no
+ * tma_slice, on sm_90 either); wider
  * 16-bit rows staged (block_smem, four vectors a thread); fp32 RMSNorm two
  * vectors a thread up to 1024 vectors, LayerNorm four up to 2048, then
  * eight.
@@ -432,7 +433,9 @@ static void test_fwd_defaults(void **state)
 		for (size_t d = 0; d < COUNT(devs); d++) {
 			expect_fwd(fwd_ops[op], NK_BF16, 128, devs[d], NK_FAMILY_WARP_ROWS, 256, 4);
 			expect_fwd(fwd_ops[op], NK_F16, 512, devs[d], NK_FAMILY_WARP_ROWS, 256, 4);
-			expect_fwd(fwd_ops[op], NK_BF16, 2048, devs[d], NK_FAMILY_BLOCK_ROW, 256, 4);
+			expect_fwd(fwd_ops[op], NK_BF16, 2048, devs[d], NK_FAMILY_BLOCK_ROW, 256,
+				   fwd_ops[op] == NK_RMSNORM_FWD ? 2 : 4);
+			expect_fwd(fwd_ops[op], NK_BF16, 1024, devs[d], NK_FAMILY_WARP_ROWS, 256, 4);
 			expect_fwd(fwd_ops[op], NK_BF16, 8192, devs[d], NK_FAMILY_BLOCK_ROW, 256, 4);
 			expect_fwd(fwd_ops[op], NK_BF16, 16384, devs[d], NK_FAMILY_BLOCK_SMEM, 512, 4);
 		}
