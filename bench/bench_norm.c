@@ -215,7 +215,8 @@ static void time_jobs(const struct bjob *b, const struct nk_variant *const *v, i
 			check(cudaEventRecord(ev[k][r][0], 0), "record");
 			if (nk_cuda_norm(&a[k][r & 1], &dev, v[k], &exec, ran ? &ran[k] : NULL) !=
 			    NK_OK) {
-				fprintf(stderr, "bench_norm: nk_cuda_norm: %s\n", nk_cuda_last_error());
+				fprintf(stderr, "bench_norm: nk_cuda_norm: %s\n",
+					nk_cuda_last_error());
 				exit(1);
 			}
 			check(cudaEventRecord(ev[k][r][1], 0), "record");
@@ -225,8 +226,9 @@ static void time_jobs(const struct bjob *b, const struct nk_variant *const *v, i
 	for (int k = 0; k < n; k++) {
 		for (int r = 0; r < WARMUP + reps; r++) {
 			if (r >= WARMUP)
-				check(cudaEventElapsedTime(&ms[r - WARMUP], ev[k][r][0], ev[k][r][1]),
-				      "elapsed");
+				check(
+				    cudaEventElapsedTime(&ms[r - WARMUP], ev[k][r][0], ev[k][r][1]),
+				    "elapsed");
 			cudaEventDestroy(ev[k][r][0]);
 			cudaEventDestroy(ev[k][r][1]);
 		}

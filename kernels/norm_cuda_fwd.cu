@@ -4,20 +4,21 @@
  * A group of G threads owns a row; thread t of the group holds vectors
  * (j * K + rank) * G + t, j < NV, of the row in registers (16-byte loads that
  * do not allocate in L1), so x is read from device memory exactly once.
- * LayerNorm statistics are those of two passes over the registers (mean,
- * then squared deviations; row_stats), or of one pass of sum(x) and
- * sum(x * x) on full 16-bit warp rows where that is as accurate (mean^2 <=
- * variance, checked per warp or block); RMSNorm reduces the sum of
- * squares. The grid holds every row group; at most 64 registers a thread
- * keep 32 warps a multiprocessor resident, whose loads are what keeps
- * device memory busy (fwd_tiled).
+ * LayerNorm statistics are one pass of sum(x) and sum(x * x) where that is
+ * as accurate as two (mean^2 <= variance, checked per warp or block), else
+ * two passes over the registers (mean, then squared deviations), or, on a
+ * cluster, merged (count, mean, M2) triples (row_stats); RMSNorm reduces
+ * the sum of squares. The grid holds every row group; at most 64 registers
+ * a thread keep 32 warps a multiprocessor resident, whose loads are what
+ * keeps device memory busy (fwd_tiled).
  *
  * Built by `make` (nvcc -O3, sm_80 and sm_90 machine code plus compute_90
- * PTX); instantiated for the five (x, weight) dtype pairs and NV in
- * {1, 2, 4, 8} with NV * VEC <= 32 elements a thread, plus a FULL twin
- * without bounds checks for the 16-bit pairs; block_smem once for
- * LayerNorm and once for RMSNorm. Timed by bench/bench_norm.c with CUDA
- * events against the device's copy bandwidth.
+ * PTX); fwd_tiled is instantiated for the five (x, weight) dtype pairs, NV
+ * in {1, 2, 4, 8} with NV * VEC <= 32 elements a thread, LayerNorm and
+ * RMSNorm, plus a FULL twin without bounds checks for the 16-bit pairs;
+ * block_smem once for LayerNorm and once for RMSNorm. Timed by
+ * bench/bench_norm.c with CUDA events against the device's copy
+ * bandwidth.
  */
 #include "kernels/norm_cuda_internal.cuh"
 
@@ -47,8 +48,7 @@ struct Owned {
 };
 
 /* Whether the j-th vector a thread owns is inside the row (FULL: always). */
-template <bool FULL>
-__device__ __forceinline__ bool has_vector(const Params &p, Owned o, int j)
+template <bool FULL> __device__ __forceinline__ bool has_vector(const Params &p, Owned o, int j)
 {
 	return FULL || o.at(j) < p.nvec;
 }
@@ -69,6 +69,49 @@ __device__ __forceinline__ void load_row(const Params &p, int64_t row, bool vali
 }
 
 /*
+ * The sum over a thread's vectors of (x - m)^2: with m = 0 the sum of
+ * squares. Vectors outside the row are skipped.
+ */
+template <typename T, int NV, bool FULL>
+__device__ __forceinline__ float squared_deviations(const Params &p, const uint4 *v, Owned o,
+						    float m)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	float q = 0.0f;
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		float x[VEC];
+		unpack<T>(v[j], x);
+		if (has_vector<FULL>(p, o, j)) {
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				q += (x[i] - m) * (x[i] - m);
+		}
+	}
+	return q;
+}
+
+/* The sum of a thread's elements, and (sum_sq) of their squares. */
+template <typename T, int NV>
+__device__ __forceinline__ float element_sum(const uint4 *v, float *sum_sq)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	float s = 0.0f, q = 0.0f;
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		float x[VEC];
+		unpack<T>(v[j], x);
+#pragma unroll
+		for (int i = 0; i < VEC; i++) {
+			s += x[i];
+			q += x[i] * x[i];
+		}
+	}
+	*sum_sq = q;
+	return s;
+}
+
+/*
  * The statistics of a row, reduced over its row group, from the packed
  * vectors `v` (unpacked again for each pass: cheaper than keeping the
  * floats live, which costs registers, hence occupancy). `parity` flips with
@@ -82,20 +125,12 @@ __device__ __forceinline__ void load_row(const Params &p, int64_t row, bool vali
  * RMSNorm reduces the sum of squares.
  */
 template <typename T, int NV, bool FULL, bool LN>
-__device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned o,
-					  RedSmem &sm, int &parity, float *mean, float *rstd)
+__device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned o, RedSmem &sm,
+					  int &parity, float *mean, float *rstd)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	if (!LN) {
-		float q[1] = {0.0f};
-#pragma unroll
-		for (int j = 0; j < NV; j++) {
-			float x[VEC];
-			unpack<T>(v[j], x);
-#pragma unroll
-			for (int i = 0; i < VEC; i++)
-				q[0] += x[i] * x[i];
-		}
+		float q[1] = {squared_deviations<T, NV, FULL>(p, v, o, 0.0f)};
 		group_reduce<SumOp<1>>(q, p.G, p.K, sm, parity);
 		parity ^= 1;
 		*mean = 0.0f;
@@ -103,17 +138,8 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
 		return;
 	}
 	if (FULL || !HAS_CLUSTERS || p.K == 1) { /* FULL rows are never a cluster's */
-		float s[2] = {0.0f, 0.0f};
-#pragma unroll
-		for (int j = 0; j < NV; j++) {
-			float x[VEC];
-			unpack<T>(v[j], x);
-#pragma unroll
-			for (int i = 0; i < VEC; i++) {
-				s[0] += x[i];
-				s[1] += x[i] * x[i];
-			}
-		}
+		float s[2];
+		s[0] = element_sum<T, NV>(v, &s[1]); /* vectors outside the row are zeros */
 		group_reduce<SumOp<2>>(s, p.G, 1, sm, parity);
 		parity ^= 1;
 		const float m = s[0] * p.inv_cols, var = s[1] * p.inv_cols - m * m;
@@ -125,17 +151,7 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
 			*rstd = rsqrtf(var + p.eps);
 			return;
 		}
-		float q[1] = {0.0f};
-#pragma unroll
-		for (int j = 0; j < NV; j++) {
-			float x[VEC];
-			unpack<T>(v[j], x);
-			if (has_vector<FULL>(p, o, j)) {
-#pragma unroll
-				for (int i = 0; i < VEC; i++)
-					q[0] += (x[i] - m) * (x[i] - m);
-			}
-		}
+		float q[1] = {squared_deviations<T, NV, FULL>(p, v, o, m)};
 		group_reduce<SumOp<1>>(q, p.G, 1, sm, parity);
 		parity ^= 1;
 		*rstd = rsqrtf(q[0] * p.inv_cols + p.eps);
@@ -155,16 +171,7 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
 	}
 	if (w[0] > 0.0f)
 		w[1] = __fdividef(w[1], w[0]);
-#pragma unroll
-	for (int j = 0; j < NV; j++) {
-		float x[VEC];
-		unpack<T>(v[j], x);
-		if (has_vector<FULL>(p, o, j)) {
-#pragma unroll
-			for (int i = 0; i < VEC; i++)
-				w[2] += (x[i] - w[1]) * (x[i] - w[1]);
-		}
-	}
+	w[2] = squared_deviations<T, NV, FULL>(p, v, o, w[1]);
 	group_reduce<WelfordOp>(w, p.G, p.K, sm, parity);
 	parity ^= 1;
 	*mean = w[1];
@@ -265,10 +272,11 @@ int run(const Params &p, const Shape &s, cudaStream_t stream)
 
 	if (units > FWD_MAX_GRID / s.K)
 		units = FWD_MAX_GRID / s.K;
-	cudaError_t err = (p.f & F_LN) ? launch_kernel(fwd_tiled<T, W, NV, FULL, true>, units * s.K,
-						       s.threads, s.K, stream, p)
-				       : launch_kernel(fwd_tiled<T, W, NV, FULL, false>, units * s.K,
-						       s.threads, s.K, stream, p);
+	constexpr auto ln = fwd_tiled<T, W, NV, FULL, true>;
+	constexpr auto rms = fwd_tiled<T, W, NV, FULL, false>;
+	const int64_t grid = units * s.K;
+	cudaError_t err = (p.f & F_LN) ? launch_kernel(ln, grid, s.threads, s.K, stream, p)
+				       : launch_kernel(rms, grid, s.threads, s.K, stream, p);
 	return err == cudaSuccess ? NK_OK : set_error(err, "forward kernel launch");
 }
 

@@ -492,10 +492,10 @@ static void compare_output(const struct jobkit *kit, int role, const void *ref,
 	 * sum over columns). Other outputs are of order one, and are judged
 	 * against themselves.
 	 */
-	double scale2 = role == JK_DX			    ? dx_term_norm2(kit)
+	double scale2 = role == JK_DX				? dx_term_norm2(kit)
 			: role == JK_DGAMMA || role == JK_DBETA ? dweight_term_norm2(kit, role)
-			: role == JK_MEAN			    ? mean_term_norm2(kit)
-								    : 0;
+			: role == JK_MEAN			? mean_term_norm2(kit)
+								: 0;
 	bool within = rel_l2 < tolerance || (scale2 > ref2 && sqrt(err2 / scale2) < tolerance);
 	report->max_abs_err = fmax(report->max_abs_err, max_abs);
 	report->max_rel_err = fmax(report->max_rel_err, rel_max);

@@ -435,9 +435,12 @@ static void test_fwd_defaults(void **state)
 			expect_fwd(fwd_ops[op], NK_F16, 512, devs[d], NK_FAMILY_WARP_ROWS, 256, 4);
 			expect_fwd(fwd_ops[op], NK_BF16, 2048, devs[d], NK_FAMILY_BLOCK_ROW, 256,
 				   fwd_ops[op] == NK_RMSNORM_FWD ? 2 : 4);
-			expect_fwd(fwd_ops[op], NK_BF16, 1024, devs[d], NK_FAMILY_WARP_ROWS, 256, 4);
-			expect_fwd(fwd_ops[op], NK_BF16, 8192, devs[d], NK_FAMILY_BLOCK_ROW, 256, 4);
-			expect_fwd(fwd_ops[op], NK_BF16, 16384, devs[d], NK_FAMILY_BLOCK_SMEM, 512, 4);
+			expect_fwd(fwd_ops[op], NK_BF16, 1024, devs[d], NK_FAMILY_WARP_ROWS, 256,
+				   4);
+			expect_fwd(fwd_ops[op], NK_BF16, 8192, devs[d], NK_FAMILY_BLOCK_ROW, 256,
+				   4);
+			expect_fwd(fwd_ops[op], NK_BF16, 16384, devs[d], NK_FAMILY_BLOCK_SMEM, 512,
+				   4);
 		}
 		expect_fwd(fwd_ops[op], NK_BF16, 32768, &h100, NK_FAMILY_BLOCK_SMEM, 1024, 4);
 		expect_fwd(fwd_ops[op], NK_F32, 16384, &h100, NK_FAMILY_BLOCK_ROW, 512, 8);
