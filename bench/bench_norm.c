@@ -210,10 +210,12 @@ static void time_jobs(const struct bjob *b, const struct nk_variant *const *v, i
 			check(cudaEventCreate(&ev[k][r][1]), "event");
 		}
 	}
+	/* Launch i uses buffer set i & 1: every launch follows one on the other set. */
 	for (int r = 0; r < WARMUP + reps; r++) {
 		for (int k = 0; k < n; k++) {
+			const int set = (r * n + k) & 1;
 			check(cudaEventRecord(ev[k][r][0], 0), "record");
-			if (nk_cuda_norm(&a[k][r & 1], &dev, v[k], &exec, ran ? &ran[k] : NULL) !=
+			if (nk_cuda_norm(&a[k][set], &dev, v[k], &exec, ran ? &ran[k] : NULL) !=
 			    NK_OK) {
 				fprintf(stderr, "bench_norm: nk_cuda_norm: %s\n",
 					nk_cuda_last_error());

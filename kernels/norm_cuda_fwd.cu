@@ -5,12 +5,12 @@
  * (j * K + rank) * G + t, j < NV, of the row in registers (16-byte loads that
  * do not allocate in L1), so x is read from device memory exactly once.
  * LayerNorm statistics are one pass of sum(x) and sum(x * x) where that is
- * as accurate as two (mean^2 <= variance, checked per warp or block), else
- * two passes over the registers (mean, then squared deviations), or, on a
- * cluster, merged (count, mean, M2) triples (row_stats); RMSNorm reduces
- * the sum of squares. The grid holds every row group; at most 64 registers
- * a thread keep 32 warps a multiprocessor resident, whose loads are what
- * keeps device memory busy (fwd_tiled).
+ * about as accurate as two (mean^2 <= variance, checked per warp or
+ * block), else two passes over the registers (mean, then squared
+ * deviations), or, on a cluster, merged (count, mean, M2) triples
+ * (row_stats); RMSNorm reduces the sum of squares. The grid holds every
+ * row group; at most 64 registers a thread keep 32 warps a multiprocessor
+ * resident, whose loads are what keeps device memory busy (fwd_tiled).
  *
  * Built by `make` (nvcc -O3, sm_80 and sm_90 machine code plus compute_90
  * PTX); fwd_tiled is instantiated for the five (x, weight) dtype pairs, NV
@@ -27,7 +27,10 @@ namespace nkc
 namespace
 {
 
-/* Whether this device code may run in a cluster (sm_90); sm_80 code never does. */
+/*
+ * Whether this device code may run in a cluster (sm_90). sm_80 code never
+ * does: tiled_fits refuses K > 1 below compute capability 9.
+ */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr bool HAS_CLUSTERS = false;
 #else
@@ -116,13 +119,16 @@ __device__ __forceinline__ float element_sum(const uint4 *v, float *sum_sq)
  * vectors `v` (unpacked again for each pass: cheaper than keeping the
  * floats live, which costs registers, hence occupancy). `parity` flips with
  * every reduction (see group_reduce). LayerNorm takes one pass of sum(x)
- * and sum(x * x) where that is as accurate as two (mean^2 <= variance, and
- * finite: bf16 values near 1e18 overflow the squares); where any row of
- * the warp (rows of a warp) or the block (block rows) is not such a row,
- * they all add the second pass over squared deviations (the choice must be
- * uniform where the reductions span rows). A cluster merges (count, mean,
- * M2) triples with Chan's formula instead (its barriers cost more).
- * RMSNorm reduces the sum of squares.
+ * and sum(x * x) where its variance is within a bit or two of two passes'
+ * (mean^2 <= variance, and finite: bf16 values near 1e18 overflow the
+ * squares); where any row of the warp (rows of a warp) or the block (block
+ * rows) is not such a row, they all add the second pass over squared
+ * deviations (the choice must be uniform where the reductions span rows).
+ * So a row's rstd may round differently next to such a row than next to
+ * ordinary ones: deterministic for the same rows, not independent of its
+ * neighbours. A cluster merges (count, mean, M2) triples with Chan's
+ * formula instead (its barriers cost more). RMSNorm reduces the sum of
+ * squares.
  */
 template <typename T, int NV, bool FULL, bool LN>
 __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned o, RedSmem &sm,

@@ -16,16 +16,16 @@
  *     (block_smem: a block a row, cp.async two rows deep) where the
  *     stages fit the device's opt-in shared memory: backward on one block of
  *     up to 512 threads (32 elements a thread), else on a cluster of 2
- *     (sm_90); forward on one block of up to 1024 threads. Forward rows that
- *     one tiled block holds but that leave fewer than 16 warps resident
- *     (12288 columns) are staged too;
+ *     (sm_90); forward on one block of up to 1024 threads. 16-bit forward rows
+ *     past 8192 columns are staged too (fwd_default);
  *   - other backward rows wider than one block are split: a row-sums
  *     kernel, then K column slices of up to 16 independent blocks (also on
  *     sm_80); clusters stay autotuning candidates;
  *   - on sm_90, tma_slice (norm_cuda_*_tma.cu) takes backward rows of 1024
- *     vectors and more (tma_bwd_default), fp32 backward rows of 65-128
- *     vectors and forward rows of 16-32 (tma_narrow_default), where it
- *     measured faster on the H100; fp32 rows of fp32_bwd_default keep it;
+ *     vectors and more (tma_bwd_default) and fp32 backward rows of 65-128
+ *     vectors (tma_narrow_default), where it measured faster on the H100;
+ *     fp32 rows of fp32_bwd_default keep it; its forward kernels are
+ *     autotuning candidates only;
  *   - the backward grid is capped by units_cap, computed for a reference
  *     device of REF_SMS multiprocessors (tma_slice: the clusters an H100 SXM
  *     holds) and never from the actual one, so the partial rows (hence the

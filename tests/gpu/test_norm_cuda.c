@@ -625,14 +625,18 @@ static void run_all_ops(int64_t rows, int64_t cols, int offset)
 	run_op(NK_RMSNORM_BWD, rms_bwd, 4, rows, cols, offset);
 }
 
-/* A NaN in one row of x stays in that row (forward y, backward dx). */
+/*
+ * A NaN in one row of x stays in that row (forward y, backward dx); 2048
+ * and 4096 columns put it in a block of 2-4 rows, where the forward's
+ * choice of one or two passes is the block's.
+ */
 static void run_nan_cases(void)
 {
 	const enum nk_op ops[] = {NK_LAYERNORM_FWD, NK_RMSNORM_FWD, NK_LAYERNORM_BWD,
 				  NK_RMSNORM_BWD};
-	const int64_t cols[] = {33, 1000, 8192};
+	const int64_t cols[] = {33, 1000, 2048, 4096, 8192};
 	for (int o = 0; o < 4; o++) {
-		for (int k = 0; k < 3; k++) {
+		for (int k = 0; k < 5; k++) {
 			bool ln = is_ln(ops[o]);
 			struct tcase c = {ops[o], NK_BF16, NK_BF16, 0,	   9, cols[k], true,
 					  ln,	  true,	   false,   false, 0, 4, 0};
@@ -644,8 +648,9 @@ static void run_nan_cases(void)
 /*
  * LayerNorm forward rows whose mean^2 exceeds their variance (every third
  * row shifted by 64; with 8 to 16 lanes a row, next to ordinary rows in a
- * warp): full warp rows and block_smem rows take one pass of sum(x) and
- * sum(x * x) only where that is as accurate as two passes, and must fall
+ * warp, or 2-4 rows a block at 2048-4096 columns): the tiled rows of one
+ * block and block_smem rows take one pass of sum(x) and sum(x * x) only
+ * where its error stays within a bit or two of two passes', and must fall
  * back to two passes here. With a shift of 64 the one-pass rstd would be
  * 1e-4 off (a float32 simulation of the kernel's order of sums), ten times
  * the 1e-5 the fp32 rstd output is checked to; with 8 it would pass. And
@@ -654,13 +659,13 @@ static void run_nan_cases(void)
  */
 static void run_shifted_cases(void)
 {
-	const int64_t cols[] = {256, 512, 1024, 12288, 32768};
+	const int64_t cols[] = {256, 512, 1024, 2048, 4096, 12288, 32768};
 	const enum nk_dtype dts[] = {NK_BF16, NK_F16, NK_F32};
 	for (int mode = 1; mode <= 2; mode++) {
 		for (int d = 0; d < 3; d++) {
 			if (mode == 2 && dts[d] == NK_F16) /* 1e18 is past fp16's range */
 				continue;
-			for (int k = 0; k < 5; k++) {
+			for (int k = 0; k < 7; k++) {
 				struct tcase c = {NK_LAYERNORM_FWD, dts[d], dts[d], 0,	   301,
 						  cols[k],	    true,    true,    true, false,
 						  false,	    0,	     -1,      mode};

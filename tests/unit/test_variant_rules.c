@@ -445,9 +445,25 @@ static void test_fwd_defaults(void **state)
 		expect_fwd(fwd_ops[op], NK_BF16, 32768, &h100, NK_FAMILY_BLOCK_SMEM, 1024, 4);
 		expect_fwd(fwd_ops[op], NK_F32, 16384, &h100, NK_FAMILY_BLOCK_ROW, 512, 8);
 	}
+	/* The edges: RMSNorm's two vectors stop past 512 16-bit / 1024 fp32 vectors. */
+	expect_fwd(NK_RMSNORM_FWD, NK_BF16, 4096, &h100, NK_FAMILY_BLOCK_ROW, 256, 2);
+	expect_fwd(NK_RMSNORM_FWD, NK_BF16, 4104, &a100, NK_FAMILY_BLOCK_ROW, 160, 4);
+	expect_fwd(NK_LAYERNORM_FWD, NK_F16, 8200, &h100, NK_FAMILY_BLOCK_SMEM, 288, 4);
 	expect_fwd(NK_RMSNORM_FWD, NK_F32, 128, &h100, NK_FAMILY_WARP_ROWS, 256, 2);
-	expect_fwd(NK_RMSNORM_FWD, NK_F32, 4096, &h100, NK_FAMILY_BLOCK_ROW, 512, 2);
-	expect_fwd(NK_LAYERNORM_FWD, NK_F32, 8192, &h100, NK_FAMILY_BLOCK_ROW, 512, 4);
+	expect_fwd(NK_RMSNORM_FWD, NK_F32, 4096, &a100, NK_FAMILY_BLOCK_ROW, 512, 2);
+	expect_fwd(NK_RMSNORM_FWD, NK_F32, 4100, &h100, NK_FAMILY_BLOCK_ROW, 160, 8);
+	expect_fwd(NK_LAYERNORM_FWD, NK_F32, 8192, &a100, NK_FAMILY_BLOCK_ROW, 512, 4);
+	expect_fwd(NK_LAYERNORM_FWD, NK_F32, 8196, &h100, NK_FAMILY_BLOCK_ROW, 288, 8);
+
+	/* fp32 rows past a block (clusters on sm_90), and unaligned rows: not fwd_default's. */
+	struct nk_norm_args a = make_job(NK_LAYERNORM_FWD, NK_F32, NK_F32, 0u, 32768, 64);
+	struct nk_variant v;
+	assert_int_equal(nk_cuda_variant_default(&a, &h100, &v), NK_OK);
+	assert_true(nk_cuda_variant_fits(&a, &h100, &v));
+	assert_true((v.param >> 8 & 0xff) > 1 || v.family != NK_FAMILY_BLOCK_ROW);
+	a = make_job(NK_RMSNORM_FWD, NK_BF16, NK_BF16, 0u, 1001, 64);
+	assert_int_equal(nk_cuda_variant_default(&a, &h100, &v), NK_OK);
+	assert_int_equal(v.family, NK_FAMILY_GENERIC);
 }
 
 int main(void)
