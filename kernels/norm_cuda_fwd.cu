@@ -137,7 +137,10 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
 	constexpr int VEC = 16 / sizeof(T);
 	if (!LN) {
 		float q[1] = {squared_deviations<T, NV, FULL>(p, v, o, 0.0f)};
-		group_reduce<SumOp<1>>(q, p.G, p.K, sm, parity);
+		if (FULL || !HAS_CLUSTERS || p.K == 1)
+			group_reduce<SumOp<1>>(q, p.G, 1, sm, parity);
+		else
+			group_reduce<SumOp<1>>(q, p.G, p.K, sm, parity);
 		parity ^= 1;
 		*mean = 0.0f;
 		*rstd = rsqrtf(q[0] * p.inv_cols + p.eps);
