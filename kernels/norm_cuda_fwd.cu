@@ -135,9 +135,11 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
 					  int &parity, float *mean, float *rstd)
 {
 	constexpr int VEC = 16 / sizeof(T);
+	/* One block a row: reductions with K = 1 known here (FULL rows never are a cluster's). */
+	const bool one_block = FULL || !HAS_CLUSTERS || p.K == 1;
 	if (!LN) {
 		float q[1] = {squared_deviations<T, NV, FULL>(p, v, o, 0.0f)};
-		if (FULL || !HAS_CLUSTERS || p.K == 1)
+		if (one_block)
 			group_reduce<SumOp<1>>(q, p.G, 1, sm, parity);
 		else
 			group_reduce<SumOp<1>>(q, p.G, p.K, sm, parity);
@@ -146,7 +148,7 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
 		*rstd = rsqrtf(q[0] * p.inv_cols + p.eps);
 		return;
 	}
-	if (FULL || !HAS_CLUSTERS || p.K == 1) { /* FULL rows are never a cluster's */
+	if (one_block) {
 		float s[2];
 		s[0] = element_sum<T, NV>(v, &s[1]); /* vectors outside the row are zeros */
 		group_reduce<SumOp<2>>(s, p.G, 1, sm, parity);
@@ -462,9 +464,10 @@ int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *
 			/*
 			 * 16-bit rows of at most a warp's lanes that fill every
 			 * thread's vectors skip the bounds checks: 0.5-1.4 points
-			 * at bf16 LayerNorm 512 and 1024 columns. Not for wider
-			 * rows (measured no faster) nor fp32 data or weights (the
-			 * unchecked kernels spill registers there).
+			 * at bf16 LayerNorm 512 and 1024 columns, measured on the
+			 * persistent kernel of session 4. Not for wider rows
+			 * (measured no faster) nor fp32 data or weights (the
+			 * unchecked kernels spilled registers there).
 			 */
 			if constexpr (sizeof(T) == 2 && sizeof(W) == 2) {
 				if (p.G <= 32 && p.K == 1 && p.nvec == NV * p.G)
