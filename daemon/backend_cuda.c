@@ -13,6 +13,16 @@
  * checking the claimed size against the real allocation; the mapping is
  * closed when the last region and job using it are gone.
  *
+ * The enqueue mode (docs/ENQUEUE.md): each caller stream of a connection has
+ * a stream of its own here, with its own workspace, so that one client's
+ * silent stream stalls nobody else. Launcher threads (enqueue_threads per
+ * device; a stream always goes to the same one, so its jobs keep their
+ * order) queue the wait for the slot's ready word, the kernel, and the
+ * writes of the done word and of a pinned retired word the loop polls.
+ * They never wait for the GPU. Nothing here synchronizes the whole device
+ * while serving (workspaces are stream-ordered allocations), since a
+ * device-wide wait would also wait for streams blocked on ready words.
+ *
  * A failure while a kernel ran (illegal address, device lost) is sticky: it
  * poisons the context for everyone. The backend then fails every job with
  * DEVICE_ERROR and reports the cause through fatal_error(); the server sends
@@ -48,8 +58,33 @@
  * event for the client's stream to wait on). Only longer waits and jobs pay.
  */
 #define EVENT_GRACE_NS 100000
+#define CUDA_MAX_LAUNCHERS 16
+#define RETIRED_WORDS 8192      /* pinned retired words per device: its enqueue streams at most */
 
 struct cuda_device;
+
+/* A launcher thread of the enqueue mode: launches its streams' jobs in order. */
+struct cuda_launcher {
+	struct cuda_device *dev;
+	uv_thread_t thread;
+	bool started;
+	uv_mutex_t lock;           /* the queue below */
+	uv_cond_t wake;
+	struct job *head, *tail;
+	atomic_uint queued;
+	bool sleeping;             /* waits on `wake` (lock) */
+	bool stopping;
+};
+
+/* The backend's side of an estream. */
+struct cuda_estream {
+	cudaStream_t stream;
+	struct cuda_launcher *launcher;
+	void *workspace;           /* stream-ordered allocation */
+	size_t workspace_bytes;
+	uint32_t *retired;         /* pinned word: the latest seq the device finished */
+	unsigned retired_slot;
+};
 
 struct cuda_worker {
 	struct cuda_device *dev;
@@ -82,6 +117,12 @@ struct cuda_device {
 	struct cuda_worker workers[CUDA_MAX_WORKERS];
 	int workers_wanted;        /* config: cuda_workers */
 	int worker_count;
+	struct cuda_launcher launchers[CUDA_MAX_LAUNCHERS];
+	int launcher_count;
+	unsigned next_launcher;    /* round robin over new streams (loop thread) */
+	cudaStream_t control;      /* releases abandoned streams' ready words */
+	uint32_t *retired_words;   /* pinned, RETIRED_WORDS of them */
+	uint8_t retired_used[RETIRED_WORDS]; /* loop thread */
 };
 
 struct backend_cuda {
@@ -240,20 +281,31 @@ static int cuda_region_map(struct backend *backend, struct region *twin,
 
 /* ---- running jobs --------------------------------------------------------------------- */
 
-static int worker_reserve(struct cuda_worker *w, size_t bytes)
+/*
+ * Grows a stream's workspace with stream-ordered calls: cudaFree would wait
+ * for the whole device, streams blocked on clients' ready words included.
+ */
+static int workspace_reserve(cudaStream_t stream, void **workspace, size_t *have, size_t bytes)
 {
-	if (bytes <= w->workspace_bytes)
+	if (bytes <= *have)
 		return 0;
-	cudaFree(w->workspace);
-	w->workspace = NULL;
-	w->workspace_bytes = 0;
+	if (*workspace)
+		cudaFreeAsync(*workspace, stream);
+	*workspace = NULL;
+	*have = 0;
 	size_t rounded = (bytes + (1u << 20) - 1) & ~(size_t)((1u << 20) - 1);
-	if (cudaMalloc(&w->workspace, rounded) != cudaSuccess) {
+	if (cudaMallocAsync(workspace, rounded, stream) != cudaSuccess) {
 		cudaGetLastError();
+		*workspace = NULL;
 		return -1;
 	}
-	w->workspace_bytes = rounded;
+	*have = rounded;
 	return 0;
+}
+
+static int worker_reserve(struct cuda_worker *w, size_t bytes)
+{
+	return workspace_reserve(w->stream, &w->workspace, &w->workspace_bytes, bytes);
 }
 
 /* Times one variant on `args` (scratch buffers); returns milliseconds or -1. */
@@ -326,7 +378,7 @@ static int autotune_job(struct cuda_worker *w, const struct nk_norm_args *job,
 	a.rows = rows < 1 ? 1 : rows;
 	size_t bytes = autotune_layout(&a, NULL);
 	char *scratch = NULL;
-	if (cudaMalloc((void **)&scratch, bytes) != cudaSuccess) {
+	if (cudaMallocAsync((void **)&scratch, bytes, w->stream) != cudaSuccess) {
 		cudaGetLastError();
 		return -1;
 	}
@@ -343,8 +395,8 @@ static int autotune_job(struct cuda_worker *w, const struct nk_norm_args *job,
 			*best = cands[i];
 		}
 	}
+	cudaFreeAsync(scratch, w->stream);
 	cudaStreamSynchronize(w->stream);
-	cudaFree(scratch);
 	if (best_ms < 0) {
 		log_warn("event=autotune_failed device=%d op=%s cols=%lld candidates=%d: none "
 			 "could be timed, keeping the rule's variant",
@@ -359,16 +411,18 @@ static int autotune_job(struct cuda_worker *w, const struct nk_norm_args *job,
 	return 0;
 }
 
-/* The variant for a job: from the cache, else by rule or by timing. */
-static void worker_pick_variant(struct cuda_worker *w, const struct nk_norm_args *args,
-				struct nk_variant *v)
+/*
+ * The variant for a job: from the cache, else by rule or, with a worker to
+ * time them on (`w`, NULL for launchers, which never wait for the GPU), by timing.
+ */
+static void device_pick_variant(struct cuda_device *dev, struct cuda_worker *w,
+				const struct nk_norm_args *args, struct nk_variant *v)
 {
-	struct cuda_device *dev = w->dev;
 	if (variant_cache_lookup(dev->cache, args, v))
 		return;
 	nk_cuda_variant_default(args, &dev->info, v);
 	enum variant_source source = VS_RULE;
-	if (dev->backend->autotune && autotune_job(w, args, v) == 0)
+	if (w && dev->backend->autotune && autotune_job(w, args, v) == 0)
 		source = VS_AUTOTUNE;
 	variant_cache_store(dev->cache, args, v, source);
 }
@@ -529,7 +583,7 @@ static void worker_run(struct cuda_worker *w, struct job *job)
 	if (job->wgrad)
 		return worker_run_wgrad(w, job);
 	struct nk_variant v, ran;
-	worker_pick_variant(w, &job->args, &v);
+	device_pick_variant(w->dev, w, &job->args, &v);
 	if (worker_reserve(w, nk_cuda_workspace_bytes(&job->args, &w->dev->info, &v)) != 0)
 		return worker_fail(job, NC_ERESOURCE_EXHAUSTED, "%s",
 				   "out of device memory for the job's workspace");
@@ -605,6 +659,193 @@ static void worker_main(void *arg)
 	}
 }
 
+/* ---- the enqueue mode ------------------------------------------------------------------ */
+
+static void launcher_fail(struct job *job, int status, const char *message)
+{
+	if (job->status == NC_OK)
+		worker_fail(job, status, "%s", message);
+}
+
+/*
+ * Queues one job of an estream: wait for ready, the kernel, then done and
+ * retired. A refused or failed job is released the same way, after its
+ * outputs are poisoned (0xff bytes: NaN in every dtype). Never waits for the GPU.
+ */
+static void launcher_run(struct cuda_launcher *l, struct job *job)
+{
+	struct cuda_device *dev = l->dev;
+	struct estream *es = job->estream;
+	struct cuda_estream *ce = es->backend_state;
+	job->t_start_ns = job->t_end_ns = server_now_ns();
+	bool waited = false;
+	if (job->status == NC_OK && atomic_load(&dev->backend->fatal))
+		launcher_fail(job, NC_EDEVICE_ERROR, dev->backend->fatal_message);
+	if (job->status == NC_OK && job->deadline_us &&
+	    (job->t_start_ns - job->t_arrive_ns) / 1000 > job->deadline_us)
+		launcher_fail(job, NC_EOUT_OF_RANGE, "deadline passed before the job could start");
+	if (job->status == NC_OK && job->wgrad)
+		launcher_fail(job, NC_EUNSUPPORTED,
+			      "WGRAD_ACCUM runs in the synchronous and event modes, not enqueued");
+	if (job->status == NC_OK) {
+		struct nk_variant v, ran;
+		device_pick_variant(dev, NULL, &job->args, &v);
+		if (workspace_reserve(ce->stream, &ce->workspace, &ce->workspace_bytes,
+				      nk_cuda_workspace_bytes(&job->args, &dev->info, &v)) != 0) {
+			launcher_fail(job, NC_ERESOURCE_EXHAUSTED,
+				      "out of device memory for the job's workspace");
+		} else if (nk_cuda_stream_wait(ce->stream, es->ready, job->seq) != 0) {
+			launcher_fail(job, NC_EDEVICE_ERROR, "cannot queue the wait for the ready word");
+		} else {
+			waited = true;
+			struct nk_cuda_exec exec = {ce->stream, ce->workspace, ce->workspace_bytes, NULL};
+			if (nk_cuda_norm(&job->args, &dev->info, &v, &exec, &ran) == NK_OK)
+				nk_variant_name(&ran, job->variant, sizeof(job->variant));
+			else
+				worker_fail(job, NC_EDEVICE_ERROR, "the kernels refused the job: %s",
+					    nk_cuda_last_error());
+		}
+	}
+	if (job->status != NC_OK && job->bound) {
+		struct job_output out[4];
+		unsigned n = job_outputs(job, out);
+		if (!waited && nk_cuda_stream_wait(ce->stream, es->ready, job->seq) != 0)
+			n = 0; /* poisoning before the caller's inputs are ready could race them */
+		for (unsigned i = 0; i < n; i++)
+			cudaMemsetAsync(out[i].ptr, 0xff, (size_t)out[i].bytes, ce->stream);
+	}
+	if (nk_cuda_stream_write(ce->stream, es->done, ce->retired, job->seq) != 0) {
+		cudaError_t err = cudaGetLastError();
+		cuda_set_fatal(dev->backend, dev->ordinal, err != cudaSuccess ? err : cudaErrorUnknown);
+	}
+}
+
+static struct job *launcher_next(struct cuda_launcher *l, uint64_t spin_until)
+{
+	for (;;) {
+		if (atomic_load_explicit(&l->queued, memory_order_acquire) > 0 || l->stopping) {
+			uv_mutex_lock(&l->lock);
+			struct job *job = l->head;
+			if (job) {
+				l->head = job->next;
+				if (!l->head)
+					l->tail = NULL;
+				atomic_fetch_sub(&l->queued, 1);
+			}
+			bool stop = !job && l->stopping;
+			uv_mutex_unlock(&l->lock);
+			if (job || stop)
+				return job;
+		}
+		if (server_now_ns() < spin_until) {
+			sched_yield();
+			continue;
+		}
+		uv_mutex_lock(&l->lock);
+		while (!l->head && !l->stopping) {
+			l->sleeping = true;
+			uv_cond_wait(&l->wake, &l->lock);
+		}
+		l->sleeping = false;
+		uv_mutex_unlock(&l->lock);
+	}
+}
+
+static void launcher_main(void *arg)
+{
+	struct cuda_launcher *l = arg;
+	uint64_t spin_ns = l->dev->backend->busy_poll_us * 1000;
+	uint64_t spin_until = 0;
+	cudaSetDevice(l->dev->ordinal);
+	struct job *job;
+	while ((job = launcher_next(l, spin_until)) != NULL) {
+		launcher_run(l, job);
+		job_post_completion(job);
+		spin_until = server_now_ns() + spin_ns;
+	}
+}
+
+static void launcher_push(struct cuda_launcher *l, struct job *job)
+{
+	job->next = NULL;
+	uv_mutex_lock(&l->lock);
+	if (l->tail)
+		l->tail->next = job;
+	else
+		l->head = job;
+	l->tail = job;
+	atomic_fetch_add(&l->queued, 1);
+	if (l->sleeping)
+		uv_cond_signal(&l->wake);
+	uv_mutex_unlock(&l->lock);
+}
+
+static int cuda_stream_open(struct backend *backend, struct estream *es, char *why,
+			    size_t why_len)
+{
+	struct cuda_device *dev = cuda_find_device((struct backend_cuda *)backend, es->device);
+	if (!dev) {
+		snprintf(why, why_len, "enqueue: the semaphore slot must be in device memory of a "
+			 "served device (region on device %d)", es->device);
+		return NC_EINVALID_ARGUMENT;
+	}
+	unsigned slot = 0;
+	while (slot < RETIRED_WORDS && dev->retired_used[slot])
+		slot++;
+	struct cuda_estream *ce = slot < RETIRED_WORDS ? nc__calloc(1, sizeof(*ce)) : NULL;
+	if (!ce) {
+		snprintf(why, why_len, "enqueue: no room for another stream on device %d",
+			 dev->ordinal);
+		return NC_ERESOURCE_EXHAUSTED;
+	}
+	cudaSetDevice(dev->ordinal);
+	if (cudaStreamCreateWithFlags(&ce->stream, cudaStreamNonBlocking) != cudaSuccess) {
+		cudaGetLastError();
+		nc__free(ce);
+		snprintf(why, why_len, "enqueue: cannot create a stream on device %d", dev->ordinal);
+		return NC_ERESOURCE_EXHAUSTED;
+	}
+	dev->retired_used[slot] = 1;
+	ce->retired_slot = slot;
+	ce->retired = &dev->retired_words[slot];
+	atomic_store((_Atomic uint32_t *)ce->retired, es->last_seq);
+	ce->launcher = &dev->launchers[dev->next_launcher++ % (unsigned)dev->launcher_count];
+	es->backend_state = ce;
+	return 0;
+}
+
+static uint32_t cuda_stream_retired(struct backend *backend, struct estream *es)
+{
+	(void)backend;
+	struct cuda_estream *ce = es->backend_state;
+	return atomic_load_explicit((_Atomic uint32_t *)ce->retired, memory_order_acquire);
+}
+
+static void cuda_stream_abandon(struct backend *backend, struct estream *es)
+{
+	struct cuda_device *dev = cuda_find_device((struct backend_cuda *)backend, es->device);
+	/* The daemon's waits on this client's ready words end; the memory stays mapped until then. */
+	if (nk_cuda_stream_write(dev->control, es->ready, NULL, es->last_seq) != 0) {
+		cudaGetLastError();
+		log_warn("event=enqueue_release_failed device=%d client=%llu", es->device,
+			 (unsigned long long)es->client->id);
+	}
+}
+
+static void cuda_stream_close(struct backend *backend, struct estream *es)
+{
+	struct cuda_device *dev = cuda_find_device((struct backend_cuda *)backend, es->device);
+	struct cuda_estream *ce = es->backend_state;
+	if (!ce)
+		return;
+	if (ce->workspace)
+		cudaFreeAsync(ce->workspace, ce->stream);
+	cudaStreamDestroy(ce->stream); /* returns at once; freed once its work is done */
+	dev->retired_used[ce->retired_slot] = 0;
+	nc__free(ce);
+	es->backend_state = NULL;
+}
+
 static int cuda_submit(struct backend *backend, struct job *job)
 {
 	struct backend_cuda *cuda = (struct backend_cuda *)backend;
@@ -613,6 +854,11 @@ static int cuda_submit(struct backend *backend, struct job *job)
 		snprintf(job->message, sizeof(job->message),
 			 "the job's tensors are not in CUDA device memory");
 		return NC_EINVALID_ARGUMENT;
+	}
+	if (job->estream) {
+		struct cuda_estream *ce = job->estream->backend_state;
+		launcher_push(ce->launcher, job); /* refused jobs too: they release the stream */
+		return NC_OK;
 	}
 	if (atomic_load(&cuda->fatal)) {
 		snprintf(job->message, sizeof(job->message), "the device failed: %s",
@@ -665,7 +911,22 @@ static void device_stop(struct cuda_device *dev)
 	}
 	for (int i = 0; i < dev->worker_count; i++)
 		uv_thread_join(&dev->workers[i].thread);
+	for (int i = 0; i < dev->launcher_count; i++) {
+		struct cuda_launcher *l = &dev->launchers[i];
+		uv_mutex_lock(&l->lock);
+		l->stopping = true;
+		uv_cond_signal(&l->wake);
+		uv_mutex_unlock(&l->lock);
+		if (l->started)
+			uv_thread_join(&l->thread);
+		uv_cond_destroy(&l->wake);
+		uv_mutex_destroy(&l->lock);
+	}
 	cudaSetDevice(dev->ordinal);
+	if (dev->control)
+		cudaStreamDestroy(dev->control);
+	if (dev->retired_words)
+		cudaFreeHost(dev->retired_words);
 	for (int i = 0; i < dev->workers_wanted; i++) {
 		struct cuda_worker *w = &dev->workers[i];
 		if (w->stream)
@@ -709,6 +970,34 @@ static int worker_init(struct cuda_worker *w, struct cuda_device *dev)
 	    cudaEventCreate(&w->ev_stop) != cudaSuccess ||
 	    cudaMallocHost((void **)&w->clamped, sizeof(uint32_t)) != cudaSuccess)
 		return -1;
+	return 0;
+}
+
+/* The enqueue mode's launchers, control stream and retired words of a device. */
+static int device_init_enqueue(struct cuda_device *dev, const struct config *cfg)
+{
+	if (cudaStreamCreateWithFlags(&dev->control, cudaStreamNonBlocking) != cudaSuccess ||
+	    cudaMallocHost((void **)&dev->retired_words, RETIRED_WORDS * sizeof(uint32_t)) !=
+		    cudaSuccess) {
+		cudaGetLastError();
+		return -1;
+	}
+	int wanted = (int)cfg->enqueue_threads;
+	for (; dev->launcher_count < wanted; dev->launcher_count++) {
+		struct cuda_launcher *l = &dev->launchers[dev->launcher_count];
+		l->dev = dev;
+		if (uv_mutex_init(&l->lock))
+			return -1;
+		if (uv_cond_init(&l->wake)) {
+			uv_mutex_destroy(&l->lock);
+			return -1;
+		}
+		if (uv_thread_create(&l->thread, launcher_main, l) != 0) {
+			dev->launcher_count++; /* destroyed by device_stop */
+			return -1;
+		}
+		l->started = true;
+	}
 	return 0;
 }
 
@@ -770,10 +1059,21 @@ static int device_init(struct backend_cuda *cuda, struct cuda_device *dev,
 		if (uv_thread_create(&w->thread, worker_main, w) != 0)
 			return -1;
 	}
-	log_info("event=device index=%d name=\"%s\" sms=%d memory=%llu cc=%d.%d workers=%d",
+	if (device_init_enqueue(dev, cfg))
+		return -1;
+	int mps = nk_cuda_mps_enabled(ordinal);
+	cuda->base.mps |= mps == 1;
+	log_info("event=device index=%d name=\"%s\" sms=%d memory=%llu cc=%d.%d workers=%d "
+		 "launchers=%d mps=%s",
 		 ordinal, prop.name, prop.multiProcessorCount,
 		 (unsigned long long)prop.totalGlobalMem, prop.major, prop.minor,
-		 dev->worker_count);
+		 dev->worker_count, dev->launcher_count,
+		 mps == 1 ? "yes" : mps == 0 ? "no" : "unknown");
+	if (mps != 1)
+		log_warn("event=no_mps device=%d hint=\"without NVIDIA MPS every hand-off between a "
+			 "client's enqueued work and the daemon's is a GPU time-slice switch (~140 us "
+			 "on an H100); run the MPS control daemon (docs/ENQUEUE.md)\"",
+			 ordinal);
 	return 0;
 }
 
@@ -802,6 +1102,12 @@ static int parse_devices(const char *spec, int available, int *ordinals)
 
 int backend_cuda_create(const struct config *cfg, struct backend **out)
 {
+	/*
+	 * Streams beyond the device's hardware queues share them, and a stream
+	 * waiting for a client's ready word blocks the queue it is on: give
+	 * every stream a queue of its own as far as the hardware allows.
+	 */
+	setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
 	int available = 0;
 	cudaError_t err = cudaGetDeviceCount(&available);
 	if (err != cudaSuccess || available == 0) {
@@ -832,6 +1138,11 @@ int backend_cuda_create(const struct config *cfg, struct backend **out)
 		.variants = cuda_variants,
 		.variant_cache_counts = cuda_variant_cache_counts,
 		.destroy = cuda_destroy,
+		.orders_streams = true,
+		.stream_open = cuda_stream_open,
+		.stream_retired = cuda_stream_retired,
+		.stream_abandon = cuda_stream_abandon,
+		.stream_close = cuda_stream_close,
 	};
 	cuda->autotune = cfg->autotune;
 	cuda->busy_poll_us = cfg->busy_poll_us;

@@ -27,11 +27,20 @@
 
 static void client_on_poll(uv_poll_t *handle, int status, int events);
 
+bool client_input_paused(const struct client *c)
+{
+	/* Enqueued jobs wait for the client's own GPU: at the limit, stop reading rather than refuse. */
+	return c->mapping ||
+	       (c->estream_count > 0 && c->jobs_in_flight >= c->srv->cfg->max_jobs_in_flight);
+}
+
 static void client_update_poll(struct client *c)
 {
 	int events = 0;
-	if (!c->closing && !c->close_after_flush && !c->mapping)
+	if (!c->closing && !c->close_after_flush && !client_input_paused(c))
 		events |= UV_READABLE;
+	else if (!c->closing)
+		events |= UV_DISCONNECT; /* a paused client that leaves must still be seen leaving */
 	if (c->out_head)
 		events |= UV_WRITABLE;
 	if (events == c->poll_events)
@@ -105,6 +114,7 @@ void client_close(struct client *c, const char *reason)
 	for (unsigned i = 0; i < c->pending_fd_count; i++)
 		close(c->pending_fds[i]);
 	c->pending_fd_count = 0;
+	estream_abandon_all(c);
 	region_table_clear(&c->regions);
 	nc__free(c->in_buf);
 	c->in_buf = NULL;
@@ -265,7 +275,7 @@ static void client_refuse_frame(struct client *c, const uint8_t *body, size_t le
 static void client_process_input(struct client *c)
 {
 	size_t pos = 0;
-	while (!c->closing && !c->close_after_flush && !c->mapping &&
+	while (!c->closing && !c->close_after_flush && !client_input_paused(c) &&
 	       c->in_len - pos >= NC__FRAME_HEADER_BYTES) {
 		uint32_t body = nc__frame_length(c->in_buf + pos);
 		if (body > c->srv->cfg->max_frame) {
@@ -363,4 +373,6 @@ static void client_on_poll(uv_poll_t *handle, int status, int events)
 		client_flush(c);
 	if (!c->closing && (events & UV_READABLE))
 		client_read(c);
+	else if (!c->closing && (events & UV_DISCONNECT))
+		client_close(c, "peer closed the connection");
 }

@@ -21,7 +21,9 @@ static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__H
 		reply_result(c, request_id, NC_EPROTOCOL_ERROR, "Hello sent twice");
 		return;
 	}
-	if (hello->protocol_version != NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION) {
+	/* Version 1 lacks only the enqueue mode: its clients are still served. */
+	if (hello->protocol_version < 1 ||
+	    hello->protocol_version > NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION) {
 		server_count_rejection(c->srv, NC_REJECT_BAD_VERSION);
 		reply_result(c, request_id, NC_EPROTOCOL_ERROR,
 			     "protocol_version %u is not supported (server speaks %u); closing",

@@ -337,6 +337,10 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 	if ((job->has_wait_event || job->early_reply) && job->device < 0)
 		return job_refuse(job, NC_EUNSUPPORTED,
 				  "wait_event and early_reply need device memory (the cuda backend)");
+	if ((job->has_wait_event || job->early_reply) && msg->enqueue)
+		return job_refuse(job, NC_EINVALID_ARGUMENT,
+				  "enqueue orders the job by its semaphore slot; wait_event and "
+				  "early_reply belong to the event mode");
 	const char *why = NULL;
 	if (job->wgrad) {
 		job->gemm.x = a->x;
@@ -344,23 +348,97 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 		job->gemm.main_grad = job->main_grad;
 		if (nk_wgrad_check(&job->gemm, &why) != NK_OK)
 			return job_refuse(job, NC_EINVALID_ARGUMENT, "%s", why);
+		job->bound = true;
 		return 0;
 	}
 	if (nk_norm_check(a, &why) != NK_OK)
 		return job_refuse(job, NC_EINVALID_ARGUMENT, "%s", why ? why : "invalid job");
+	job->bound = true;
 	return 0;
 }
 
-static void job_free(struct job *job)
+unsigned job_outputs(const struct job *job, struct job_output out[4])
+{
+	static const enum tensor_role fwd[] = {T_Y, T_MEAN, T_RSTD};
+	static const enum tensor_role bwd[] = {T_DX, T_DGAMMA, T_DBETA};
+	static const enum tensor_role wgrad[] = {T_MAIN_GRAD};
+	const struct nk_norm_args *a = &job->args;
+	void *const ptr[JOB_MAX_TENSORS] = {
+		[T_Y] = a->y,		[T_MEAN] = a->mean,	    [T_RSTD] = a->rstd,
+		[T_DX] = a->dx,		[T_DGAMMA] = a->dgamma,	    [T_DBETA] = a->dbeta,
+		[T_MAIN_GRAD] = job->main_grad,
+	};
+	const enum tensor_role *roles = job->wgrad ? wgrad : rules_for(job->op)->backward ? bwd : fwd;
+	unsigned count = job->wgrad ? 1 : 3, n = 0;
+	for (unsigned i = 0; i < count; i++) {
+		if (!ptr[roles[i]])
+			continue;
+		out[n].ptr = ptr[roles[i]];
+		out[n].bytes = role_elems(job, roles[i]) * role_elem_size(job, roles[i]);
+		n++;
+	}
+	return n;
+}
+
+void job_release(struct job *job)
 {
 	for (unsigned i = 0; i < job->region_count; i++)
 		region_unref(job->regions[i]);
 	nc__free(job);
 }
 
+/*
+ * The enqueue mode: every job whose slot is valid takes its turn on the
+ * slot's stream, refused or not, so that its done word is written in order.
+ * Input pauses at max_jobs_in_flight instead of refusing (client.c).
+ */
+static void job_submit_enqueued(struct client *c, uint64_t request_id, const Normd__Job *msg)
+{
+	struct server *srv = c->srv;
+	struct estream *es = NULL;
+	char why[160];
+	int rc = estream_for_job(c, msg->enqueue, -1, &es, why, sizeof(why));
+	if (rc) {
+		server_count_rejection(srv, rc == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
+							   : NC_REJECT_BAD_JOB);
+		reply_result(c, request_id, rc, "%s", why);
+		return;
+	}
+	struct job *job = nc__calloc(1, sizeof(*job));
+	if (!job) {
+		server_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
+		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED, "out of memory for a job");
+		return;
+	}
+	job->client = c;
+	job->request_id = request_id;
+	job->op = msg->op;
+	job->deadline_us = msg->has_deadline_us ? msg->deadline_us : 0;
+	job->t_arrive_ns = server_now_ns();
+	job->estream = es;
+	job->seq = msg->enqueue->seq;
+	if (job_validate(job, &c->regions, srv->cfg, msg) != 0) {
+		server_count_rejection(srv, job->status == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
+									 : NC_REJECT_BAD_JOB);
+	} else if (job->device != es->device) {
+		job_refuse(job, NC_EINVALID_ARGUMENT,
+			   "enqueue: the semaphore slot is on device %d, the job's tensors on %d",
+			   es->device, job->device);
+		server_count_rejection(srv, NC_REJECT_BAD_JOB);
+	} else if (srv->draining) {
+		job_refuse(job, NC_ESHUTTING_DOWN, "the daemon is shutting down");
+		server_count_rejection(srv, NC_REJECT_SHUTTING_DOWN);
+	}
+	estream_push(es, job);
+}
+
 void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 {
 	struct server *srv = c->srv;
+	if (msg->enqueue) {
+		job_submit_enqueued(c, request_id, msg);
+		return;
+	}
 	if (srv->draining) {
 		server_count_rejection(srv, NC_REJECT_SHUTTING_DOWN);
 		reply_result(c, request_id, NC_ESHUTTING_DOWN, "the daemon is shutting down");
@@ -392,7 +470,7 @@ void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 	if (job->status != NC_OK) {
 		stats_count_job(srv, job, false);
 		reply_job(c, job);
-		job_free(job);
+		job_release(job);
 		return;
 	}
 	c->jobs_in_flight++;
@@ -425,6 +503,10 @@ static void job_finish(struct job *job)
 {
 	struct client *c = job->client;
 	struct server *srv = c->srv;
+	if (job->estream) {
+		estream_job_done(job);
+		return;
+	}
 	if (job->notice) {
 		/* The early reply of a job that is still running: answer, count nothing. */
 		reply_job(c, job);
@@ -436,7 +518,7 @@ static void job_finish(struct job *job)
 		reply_job(c, job); /* dropped if the client is gone */
 	c->jobs_in_flight--;
 	srv->jobs_in_flight--;
-	job_free(job);
+	job_release(job);
 }
 
 /* uv_async callback: drains every completed job (wake-ups coalesce). */
@@ -455,6 +537,8 @@ void job_drain_completions(uv_async_t *async)
 	const char *fatal = srv->backend && srv->backend->fatal_error
 				    ? srv->backend->fatal_error(srv->backend)
 				    : NULL;
+	if (srv->busy_estreams)
+		estream_poll(srv);
 	if (fatal)
 		server_fail(srv, fatal);
 	if (srv->draining)

@@ -104,6 +104,8 @@ void reply_hello(struct client *c, uint64_t request_id)
 	hello.devices = device_ptrs;
 	hello.limits = &limits;
 	hello.server_pid = (uint32_t)getpid();
+	hello.has_mps = backend->kind == NORMD__BACKEND_KIND__BACKEND_CUDA;
+	hello.mps = backend->mps;
 
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.has_request_id = true;

@@ -286,6 +286,7 @@ static void server_shutdown(struct server *srv)
 	/* Workers may still post completions; the async handle lives on, unreferenced. */
 	uv_unref((uv_handle_t *)&srv->completion_async);
 	server_close_handle((uv_handle_t *)&srv->drain_timer);
+	server_close_handle((uv_handle_t *)&srv->estream_timer);
 	server_close_handle((uv_handle_t *)&srv->reaper);
 	atomic_store(&srv->loop_polling, false); /* completions wake the loop again */
 	server_close_handle((uv_handle_t *)&srv->completion_poll);
@@ -385,8 +386,9 @@ static int server_init_handles(struct server *srv)
 	    uv_poll_init(loop, &srv->listen_poll, srv->listen_fd) ||
 	    uv_signal_init(loop, &srv->sig_term) || uv_signal_init(loop, &srv->sig_int) ||
 	    uv_prepare_init(loop, &srv->reaper) || uv_timer_init(loop, &srv->drain_timer) ||
-	    uv_idle_init(loop, &srv->completion_poll))
+	    uv_idle_init(loop, &srv->completion_poll) || uv_timer_init(loop, &srv->estream_timer))
 		return -1;
+	srv->estream_timer.data = srv;
 	srv->completion_poll.data = srv;
 	srv->completion_async.data = srv->listen_poll.data = srv->sig_term.data = srv;
 	srv->sig_int.data = srv->reaper.data = srv->drain_timer.data = srv;

@@ -11,6 +11,7 @@
  *   reply.c       every message the daemon sends
  *   region.c      a connection's registered memory
  *   job.c         job validation, submission and completion
+ *   estream.c     the enqueue mode: jobs ordered with a caller's stream
  *   backend_*.c   where jobs run (backend_cpu.c: host memory, threads)
  *   stats.c       per-op and per-device counters, latency histograms
  *   notify.c      systemd notifications (READY, STATUS, STOPPING, WATCHDOG)
@@ -38,6 +39,7 @@
 
 struct backend;
 struct client;
+struct estream;
 struct job;
 
 /* ---- regions (region.c) ---------------------------------------------------- */
@@ -116,7 +118,12 @@ struct client {
 	struct region_table regions;
 	unsigned jobs_in_flight;
 	bool mapping;                /* a registration is being mapped off the loop: input waits */
+	struct estream *estreams;    /* its enqueue streams (estream.c) */
+	unsigned estream_count;
 };
+
+/* Whether the client's input waits (a registration maps, or enqueued jobs are at the limit). */
+bool client_input_paused(const struct client *c);
 
 /* Accepts a connected socket; the client owns `fd` from here. */
 int client_create(struct server *srv, int fd, pid_t pid, uid_t uid, gid_t gid);
@@ -174,7 +181,22 @@ struct job {
 	char message[160];
 	char variant[64];
 	uint32_t clamped_cols;
+	struct estream *estream;     /* the enqueue mode: the caller stream it is ordered with */
+	struct job *es_next;         /* the estream's list, in seq order */
+	uint32_t seq;                /* its sequence number there */
+	bool bound;                  /* validated: its tensors point into its regions */
+	bool launched;               /* enqueue mode: queued on the device, answered */
 };
+
+/*
+ * A job's outputs as byte ranges, for poisoning a failed enqueued job
+ * (0xff bytes are NaN in f32, f16 and bf16). Returns how many (at most 4).
+ */
+struct job_output {
+	void *ptr;
+	uint64_t bytes;
+};
+unsigned job_outputs(const struct job *job, struct job_output out[4]);
 
 /*
  * Checks everything a client controls in `msg` against `regions` and `cfg`
@@ -186,12 +208,60 @@ struct job {
  */
 int job_validate(struct job *job, const struct region_table *regions, const struct config *cfg,
 		 const Normd__Job *msg);
+/* Drops the job's region references and frees it. */
+void job_release(struct job *job);
 /* Validates `msg` against c's regions and submits it; always answers. */
 void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg);
 /* Called by backends from any thread when a job has run (or failed). */
 void job_post_completion(struct job *job);
 /* The loop's uv_async callback: answers every completed job. */
 void job_drain_completions(uv_async_t *async);
+
+/* ---- the enqueue mode (estream.c, docs/ENQUEUE.md) ------------------------------- */
+
+#define ESTREAM_SLOT_BYTES 128 /* a semaphore slot: ready at +0, done at +64 */
+#define ESTREAM_DONE_OFFSET 64
+
+/* A caller stream's semaphore slot on one connection, and its jobs. */
+struct estream {
+	struct estream *next;        /* the client's list */
+	struct estream *busy_prev, *busy_next; /* server's list of streams with jobs queued */
+	bool busy;                   /* on that list */
+	struct client *client;
+	uint64_t region_id, offset;  /* the slot, as the client names it */
+	struct region *sem;          /* one reference while the stream lives */
+	void *ready, *done;          /* the slot's words where the daemon reaches them */
+	int device;                  /* the sem region's device (-1: host memory) */
+	uint32_t last_seq;           /* newest seq accepted */
+	bool abandoned;              /* the client left: run or fail what is queued, then close */
+	struct job *head, *tail;     /* accepted, not finished, in seq order */
+	struct job *running;         /* loop-ordered backends: the job the backend has */
+	void *backend_state;         /* the backend's (cuda: its stream, workspace, words) */
+};
+
+/* True when `a` comes at or after `b` in 32-bit cyclic order. */
+static inline bool seq_reached(uint32_t a, uint32_t b)
+{
+	return (int32_t)(a - b) >= 0;
+}
+
+/*
+ * The enqueue stream a Job's Enqueue names, created on first use; checks the
+ * slot (region of this connection, alignment, bounds, device) and the seq.
+ * Returns 0 or NC_E* with a reason in `why`.
+ */
+int estream_for_job(struct client *c, const Normd__Enqueue *msg, int device, struct estream **out,
+		    char *why, size_t why_len);
+/* Takes an enqueued job (validated or refused) in seq order; it counts as in flight. */
+void estream_push(struct estream *es, struct job *job);
+/* The backend launched or finished an estream job (loop thread, from job_finish). */
+void estream_job_done(struct job *job);
+/* Finishes jobs whose completion the device reported; pumps waiting streams. Loop thread. */
+void estream_poll(struct server *srv);
+/* The client is closing: release the daemon's waits on its streams. */
+void estream_abandon_all(struct client *c);
+/* Poisons a failed job's outputs in host memory (loop or worker thread). */
+void estream_poison_host(const struct job *job);
 
 /* ---- backends ---------------------------------------------------------------- */
 
@@ -246,6 +316,25 @@ struct backend {
 				     uint64_t *misses);
 	/* Stops the workers after the queued jobs are done, and frees. */
 	void (*destroy)(struct backend *backend);
+	/*
+	 * The enqueue mode. With orders_streams, submit() takes every job of an
+	 * estream at once (refused ones too: it poisons their outputs and writes
+	 * their done word in order) and the device orders them after the slot's
+	 * ready word; the backend posts each job once launched and reports
+	 * completions through stream_retired(). Without, the loop hands over
+	 * one job of a stream at a time, once its ready word is seen, and writes
+	 * done itself when the job comes back.
+	 */
+	bool orders_streams;
+	bool mps;                    /* the device contexts run under NVIDIA MPS */
+	/* Creates the backend's state of a new stream (loop thread); NULL: nothing to do. */
+	int (*stream_open)(struct backend *backend, struct estream *es, char *why, size_t why_len);
+	/* The latest seq whose job the device has finished on `es`. */
+	uint32_t (*stream_retired)(struct backend *backend, struct estream *es);
+	/* The client left: make the device stop waiting for its ready words. */
+	void (*stream_abandon)(struct backend *backend, struct estream *es);
+	/* No job is left on `es`: free the backend's state. */
+	void (*stream_close)(struct backend *backend, struct estream *es);
 };
 
 int backend_cpu_create(const struct config *cfg, struct backend **out);
@@ -335,6 +424,8 @@ struct server {
 	uv_idle_t completion_poll;   /* polls the completion queue while jobs run */
 	atomic_bool loop_polling;    /* completion_poll is on: workers need not wake the loop */
 	uint64_t last_job_ns;        /* when the latest job was handed to the backend */
+	uv_timer_t estream_timer;    /* polls enqueue streams while any has jobs (estream.c) */
+	struct estream *busy_estreams; /* streams with jobs queued */
 	uv_mutex_t completion_lock;
 	struct job *completed_head, *completed_tail;
 	uv_timer_t drain_timer;

@@ -15,10 +15,15 @@
 typedef CUresult (*pointer_get_attributes_fn)(unsigned int, CUpointer_attribute *, void **,
 						CUdeviceptr);
 typedef CUresult (*mem_get_address_range_fn)(CUdeviceptr *, size_t *, CUdeviceptr);
+typedef CUresult (*stream_batch_mem_op_fn)(CUstream, unsigned int, CUstreamBatchMemOpParams *,
+					   unsigned int);
+typedef CUresult (*device_get_attribute_fn)(int *, CUdevice_attribute, CUdevice);
 
 static pthread_once_t lookup_once = PTHREAD_ONCE_INIT;
 static pointer_get_attributes_fn pointer_get_attributes;
 static mem_get_address_range_fn mem_get_address_range;
+static stream_batch_mem_op_fn stream_batch_mem_op;
+static device_get_attribute_fn device_get_attribute;
 
 static void *lookup(const char *symbol)
 {
@@ -35,6 +40,8 @@ static void lookup_all(void)
 {
 	pointer_get_attributes = (pointer_get_attributes_fn)lookup("cuPointerGetAttributes");
 	mem_get_address_range = (mem_get_address_range_fn)lookup("cuMemGetAddressRange");
+	stream_batch_mem_op = (stream_batch_mem_op_fn)lookup("cuStreamBatchMemOp");
+	device_get_attribute = (device_get_attribute_fn)lookup("cuDeviceGetAttribute");
 }
 
 int nk_cuda_pointer_info(const void *ptr, struct nk_cuda_pointer_info *out, const char **why)
@@ -92,6 +99,68 @@ int nk_cuda_allocation_size(const void *base, uint64_t *size, const char **why)
 	}
 	*size = (uint64_t)(bytes - ((uintptr_t)base - (uintptr_t)start));
 	return 0;
+}
+
+static void op_write(CUstreamBatchMemOpParams *op, void *word, uint32_t value)
+{
+	memset(op, 0, sizeof(*op));
+	op->writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+	op->writeValue.address = (CUdeviceptr)(uintptr_t)word;
+	op->writeValue.value = value;
+	op->writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT; /* fenced after earlier writes */
+}
+
+static void op_wait(CUstreamBatchMemOpParams *op, void *word, uint32_t value)
+{
+	memset(op, 0, sizeof(*op));
+	op->waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+	op->waitValue.address = (CUdeviceptr)(uintptr_t)word;
+	op->waitValue.value = value;
+	op->waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+}
+
+static int batch(void *stream, unsigned count, CUstreamBatchMemOpParams *ops)
+{
+	pthread_once(&lookup_once, lookup_all);
+	if (!stream_batch_mem_op)
+		return -1;
+	return stream_batch_mem_op((CUstream)stream, count, ops, 0) == CUDA_SUCCESS ? 0 : -1;
+}
+
+int nk_cuda_stream_signal_wait(void *stream, void *word, uint32_t value, void *wait_word,
+			       uint32_t wait_value)
+{
+	CUstreamBatchMemOpParams ops[2];
+	op_write(&ops[0], word, value);
+	op_wait(&ops[1], wait_word, wait_value);
+	return batch(stream, 2, ops);
+}
+
+int nk_cuda_stream_wait(void *stream, void *word, uint32_t value)
+{
+	CUstreamBatchMemOpParams op;
+	op_wait(&op, word, value);
+	return batch(stream, 1, &op);
+}
+
+int nk_cuda_stream_write(void *stream, void *word_a, void *word_b, uint32_t value)
+{
+	CUstreamBatchMemOpParams ops[2];
+	op_write(&ops[0], word_a, value);
+	if (word_b)
+		op_write(&ops[1], word_b, value);
+	return batch(stream, word_b ? 2 : 1, ops);
+}
+
+int nk_cuda_mps_enabled(int device)
+{
+	pthread_once(&lookup_once, lookup_all);
+	int value = 0;
+	if (!device_get_attribute ||
+	    device_get_attribute(&value, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, (CUdevice)device) !=
+		    CUDA_SUCCESS)
+		return -1;
+	return value != 0;
 }
 
 int nk_ipc_event_cache_init(struct nk_ipc_event_cache *cache, unsigned capacity)

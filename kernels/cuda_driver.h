@@ -32,6 +32,23 @@ int nk_cuda_pointer_info(const void *ptr, struct nk_cuda_pointer_info *out, cons
 int nk_cuda_allocation_size(const void *base, uint64_t *size, const char **why);
 
 /*
+ * Stream memory operations of the enqueue mode (docs/ENQUEUE.md), on 32-bit
+ * words in device memory or in pinned host memory. `stream` is a
+ * cudaStream_t. Waits compare cyclically: (int32_t)(*word - value) >= 0.
+ * Writes are preceded by a fence, so the stream's earlier writes are visible
+ * first. Each returns 0, or -1 (the driver lacks the call, or refused it).
+ */
+/* The stream writes `value` to `word`, then waits for *wait_word >= wait_value. One call. */
+int nk_cuda_stream_signal_wait(void *stream, void *word, uint32_t value, void *wait_word,
+			       uint32_t wait_value);
+/* The stream waits until *word >= value. */
+int nk_cuda_stream_wait(void *stream, void *word, uint32_t value);
+/* The stream writes `value` to `word_a` and, unless NULL, to `word_b`. One call. */
+int nk_cuda_stream_write(void *stream, void *word_a, void *word_b, uint32_t value);
+/* Whether contexts on `device` run under NVIDIA MPS; -1 when the driver cannot say. */
+int nk_cuda_mps_enabled(int device);
+
+/*
  * CUDA IPC events opened from their 64-byte handles, each once, kept up to
  * `capacity`. Used by the daemon for clients' wait events and by the library
  * for the daemon's done events. Thread-safe: an event handed out by

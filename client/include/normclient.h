@@ -53,7 +53,8 @@ extern "C" {
 	X(INTERNAL, 10, "internal error")                                               \
 	X(IO, 100, "connection I/O error")                                              \
 	X(TIMEOUT, 101, "timed out")                                                    \
-	X(NOMEM, 102, "out of memory")
+	X(NOMEM, 102, "out of memory")                                                  \
+	X(DISCONNECTED, 103, "disconnected from normd")
 
 enum nc_status {
 	NC_OK = 0,
@@ -111,6 +112,7 @@ struct nc_server_info {
 	uint64_t max_mapped_bytes;
 	uint32_t device_count;
 	int device_index[16];  /* CUDA ordinals served (-1: the host, cpu backend) */
+	bool mps;              /* the daemon's CUDA contexts run under NVIDIA MPS */
 };
 NC_API const struct nc_server_info *nc_server_info(const nc_conn *conn);
 
@@ -287,6 +289,57 @@ NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *s
  */
 NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *stream,
 			    int timeout_ms, struct nc_job_result *result);
+
+/* ---- the enqueue mode -------------------------------------------------------- */
+
+/*
+ * The enqueue completion mode (docs/ENQUEUE.md), the one to use from a
+ * training loop: the job is ordered with `stream` on the GPU and neither
+ * this thread nor the daemon waits for it. `stream` (a cudaStream_t; NULL is
+ * the legacy default stream) signals a semaphore word once the work queued
+ * on it so far is done and then waits, on the GPU, for the daemon's done
+ * word; the daemon's own stream for this caller stream waits for that
+ * signal, runs the job and writes done. Returns once the request is sent:
+ * work queued on `stream` afterwards sees the job's outputs.
+ *
+ * On the CPU backend `stream` is any key naming an order (jobs with the same
+ * key run in order); the caller's memory is ready when it calls, and
+ * nc_stream_wait() waits, on the host, for the jobs of a key.
+ *
+ * Errors. The job is checked here first (op, shape, dtypes, which tensors,
+ * their regions and bounds): such errors return at once and nothing is
+ * queued. A job the daemon refuses or fails later still releases `stream`
+ * (its outputs are filled with 0xff bytes, NaN in every dtype, where its
+ * tensors were valid) and its error comes back, as CUDA's asynchronous
+ * errors do, from the next nc_job_enqueue() (which then queues nothing) or
+ * from nc_conn_check() / nc_stream_wait(); nc_last_error() names the
+ * request. If the daemon dies or the connection drops, the library releases
+ * every stream waiting on it within a second and calls return
+ * NC_EDISCONNECTED. Up to 64 streams per device may be used on one
+ * connection (else NC_ERESOURCE_EXHAUSTED). When the daemon holds
+ * max_jobs_in_flight unfinished jobs of the connection, it reads the next
+ * request only once one finishes; the call then blocks in send() if the
+ * socket is full. Any thread; calls on one connection are serialized.
+ * Call nc_close() only after the streams that enqueued have no work left
+ * (it releases them regardless).
+ */
+NC_API int nc_job_enqueue(nc_conn *conn, const struct nc_job *job, void *stream);
+
+/*
+ * Waits at most `timeout_ms` (< 0: no limit) until the daemon has answered
+ * every job enqueued so far on `conn` and returns the first asynchronous
+ * error not yet reported (and forgets it), NC_EDISCONNECTED, NC_ETIMEOUT,
+ * or NC_OK. It does not wait for the jobs to run on the GPU.
+ */
+NC_API int nc_conn_check(nc_conn *conn, int timeout_ms);
+
+/*
+ * Waits on the host, at most `timeout_ms` (< 0: no limit), until every job
+ * enqueued on `stream` has completed (CUDA: `stream` is idle; CPU backend:
+ * the key's done word has reached its last job), then returns as
+ * nc_conn_check() does.
+ */
+NC_API int nc_stream_wait(nc_conn *conn, void *stream, int timeout_ms);
 
 /* ---- inspection ------------------------------------------------------------ */
 

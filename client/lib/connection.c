@@ -40,76 +40,76 @@ static int ms_left(int64_t deadline)
 	return left < 0 ? 0 : (int)(left > 1000000000 ? 1000000000 : left);
 }
 
-/* ---- the set of awaited request ids ---------------------------------------------- */
+/* ---- sets of request ids (awaited, enqueued) --------------------------------------- */
 
-static size_t pending_slot(uint64_t id, size_t cap)
+static size_t idset_slot(uint64_t id, size_t cap)
 {
 	return (size_t)(id * 11400714819323198485ull >> 32) & (cap - 1);
 }
 
-static bool pending_contains(const nc_conn *conn, uint64_t id)
+static bool idset_contains(const struct nc__idset *set, uint64_t id)
 {
-	if (!conn->pending_cap)
+	if (!set->cap)
 		return false;
-	for (size_t i = pending_slot(id, conn->pending_cap); conn->pending[i];
-	     i = (i + 1) & (conn->pending_cap - 1)) {
-		if (conn->pending[i] == id)
+	for (size_t i = idset_slot(id, set->cap); set->slots[i]; i = (i + 1) & (set->cap - 1)) {
+		if (set->slots[i] == id)
 			return true;
 	}
 	return false;
 }
 
-static void pending_place(uint64_t *slots, size_t cap, uint64_t id)
+static void idset_place(uint64_t *slots, size_t cap, uint64_t id)
 {
-	size_t i = pending_slot(id, cap);
+	size_t i = idset_slot(id, cap);
 	while (slots[i])
 		i = (i + 1) & (cap - 1);
 	slots[i] = id;
 }
 
-static int pending_add(nc_conn *conn, uint64_t id)
+int nc__idset_add(struct nc__idset *set, uint64_t id)
 {
-	if ((conn->pending_count + 1) * 2 > conn->pending_cap) {
-		size_t cap = conn->pending_cap ? conn->pending_cap * 2 : 64;
+	if ((set->count + 1) * 2 > set->cap) {
+		size_t cap = set->cap ? set->cap * 2 : 64;
 		uint64_t *slots = nc__calloc(cap, sizeof(*slots));
 		if (!slots)
 			return NC_ENOMEM;
-		for (size_t i = 0; i < conn->pending_cap; i++) {
-			if (conn->pending[i])
-				pending_place(slots, cap, conn->pending[i]);
+		for (size_t i = 0; i < set->cap; i++) {
+			if (set->slots[i])
+				idset_place(slots, cap, set->slots[i]);
 		}
-		nc__free(conn->pending);
-		conn->pending = slots;
-		conn->pending_cap = cap;
+		nc__free(set->slots);
+		set->slots = slots;
+		set->cap = cap;
 	}
-	pending_place(conn->pending, conn->pending_cap, id);
-	conn->pending_count++;
+	idset_place(set->slots, set->cap, id);
+	set->count++;
 	return 0;
 }
 
-static void pending_remove(nc_conn *conn, uint64_t id)
+bool nc__idset_remove(struct nc__idset *set, uint64_t id)
 {
-	if (!conn->pending_cap)
-		return;
-	size_t mask = conn->pending_cap - 1, i = pending_slot(id, conn->pending_cap);
-	while (conn->pending[i] && conn->pending[i] != id)
+	if (!set->cap)
+		return false;
+	size_t mask = set->cap - 1, i = idset_slot(id, set->cap);
+	while (set->slots[i] && set->slots[i] != id)
 		i = (i + 1) & mask;
-	if (!conn->pending[i])
-		return;
-	conn->pending[i] = 0;
-	conn->pending_count--;
-	for (size_t j = (i + 1) & mask; conn->pending[j]; j = (j + 1) & mask) {
-		uint64_t moved = conn->pending[j];
-		conn->pending[j] = 0;
-		pending_place(conn->pending, conn->pending_cap, moved);
+	if (!set->slots[i])
+		return false;
+	set->slots[i] = 0;
+	set->count--;
+	for (size_t j = (i + 1) & mask; set->slots[j]; j = (j + 1) & mask) {
+		uint64_t moved = set->slots[j];
+		set->slots[j] = 0;
+		idset_place(set->slots, set->cap, moved);
 	}
+	return true;
 }
 
 static int request_begin(nc_conn *conn, uint64_t *request_id)
 {
 	pthread_mutex_lock(&conn->lock);
 	uint64_t id = ++conn->next_request_id;
-	int rc = pending_add(conn, id);
+	int rc = nc__idset_add(&conn->pending, id);
 	pthread_mutex_unlock(&conn->lock);
 	if (rc)
 		return nc__fail(rc, "out of memory tracking a request");
@@ -120,7 +120,7 @@ static int request_begin(nc_conn *conn, uint64_t *request_id)
 static void request_abandon(nc_conn *conn, uint64_t request_id)
 {
 	pthread_mutex_lock(&conn->lock);
-	pending_remove(conn, request_id);
+	nc__idset_remove(&conn->pending, request_id);
 	pthread_mutex_unlock(&conn->lock);
 }
 
@@ -294,7 +294,13 @@ readable:;
 static void file_reply(nc_conn *conn, Normd__Envelope *env)
 {
 	uint64_t id = env->has_request_id ? env->request_id : 0;
-	if (id != 0 && pending_contains(conn, id)) {
+	if (id != 0 && nc__idset_remove(&conn->enqueued, id)) {
+		nc__enqueue_answered(conn, env); /* an enqueued job's reply: only errors matter */
+		nc__envelope_free(env);
+		pthread_cond_broadcast(&conn->cond);
+		return;
+	}
+	if (id != 0 && idset_contains(&conn->pending, id)) {
 		struct nc__reply *r = nc__malloc(sizeof(*r));
 		if (r) {
 			r->env = env;
@@ -325,7 +331,7 @@ static Normd__Envelope *take_reply(nc_conn *conn, uint64_t id)
 		Normd__Envelope *env = r->env;
 		*p = r->next;
 		nc__free(r);
-		pending_remove(conn, id);
+		nc__idset_remove(&conn->pending, id);
 		return env;
 	}
 	return NULL;
@@ -343,7 +349,7 @@ int nc__await(nc_conn *conn, uint64_t request_id, int timeout_ms, Normd__Envelop
 	int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
 	int rc = 0;
 	pthread_mutex_lock(&conn->lock);
-	if (!pending_contains(conn, request_id)) {
+	if (!idset_contains(&conn->pending, request_id)) {
 		pthread_mutex_unlock(&conn->lock);
 		return nc__fail(NC_ENOT_FOUND, "request %llu is not awaited on this connection",
 				(unsigned long long)request_id);
@@ -438,6 +444,84 @@ int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms)
 	return rc;
 }
 
+/*
+ * Reads and files what has arrived, without waiting: enqueued jobs' replies
+ * are taken in passing by the next call. Does nothing while another thread reads.
+ */
+void nc__poll_replies(nc_conn *conn)
+{
+	pthread_mutex_lock(&conn->lock);
+	if (conn->reader_active || conn->broken) {
+		pthread_mutex_unlock(&conn->lock);
+		return;
+	}
+	conn->reader_active = true;
+	for (;;) {
+		pthread_mutex_unlock(&conn->lock);
+		Normd__Envelope *env = NULL;
+		int rc = read_frame(conn, now_ms(), &env);
+		pthread_mutex_lock(&conn->lock);
+		if (rc == NC_ETIMEOUT)
+			break;
+		if (rc) {
+			conn->broken = rc;
+			snprintf(conn->broken_message, sizeof(conn->broken_message), "%s",
+				 nc_last_error());
+			break;
+		}
+		file_reply(conn, env);
+	}
+	conn->reader_active = false;
+	pthread_cond_broadcast(&conn->cond);
+	pthread_mutex_unlock(&conn->lock);
+}
+
+int nc__await_enqueued(nc_conn *conn, int timeout_ms)
+{
+	int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+	int rc = 0;
+	pthread_mutex_lock(&conn->lock);
+	while (conn->enqueued.count > 0 && !conn->broken) {
+		if (!conn->reader_active) {
+			conn->reader_active = true;
+			pthread_mutex_unlock(&conn->lock);
+			Normd__Envelope *env = NULL;
+			int read_rc = read_frame(conn, deadline, &env);
+			pthread_mutex_lock(&conn->lock);
+			conn->reader_active = false;
+			pthread_cond_broadcast(&conn->cond);
+			if (read_rc == NC_ETIMEOUT) {
+				rc = NC_ETIMEOUT;
+				break;
+			}
+			if (read_rc) {
+				conn->broken = read_rc;
+				snprintf(conn->broken_message, sizeof(conn->broken_message), "%s",
+					 nc_last_error());
+				break;
+			}
+			file_reply(conn, env);
+			continue;
+		}
+		if (deadline < 0) {
+			pthread_cond_wait(&conn->cond, &conn->lock);
+		} else {
+			struct timespec ts;
+			deadline_to_timespec(deadline, &ts);
+			if (pthread_cond_timedwait(&conn->cond, &conn->lock, &ts) == ETIMEDOUT &&
+			    conn->enqueued.count > 0) {
+				rc = NC_ETIMEOUT;
+				break;
+			}
+		}
+	}
+	pthread_mutex_unlock(&conn->lock);
+	if (rc == NC_ETIMEOUT)
+		return nc__fail(rc, "normd has not answered every enqueued job within %d ms",
+				timeout_ms);
+	return 0;
+}
+
 /* ---- connect and close -------------------------------------------------------------- */
 
 static int connect_socket(const char *path, int *out)
@@ -470,6 +554,7 @@ static void keep_server_info(nc_conn *conn, const Normd__HelloReply *hello)
 	copy_string(info->backend, sizeof(info->backend),
 		    hello->backend == NORMD__BACKEND_KIND__BACKEND_CUDA ? "cuda" : "cpu");
 	info->server_pid = hello->server_pid;
+	info->mps = hello->mps;
 	info->device_count = (uint32_t)hello->n_devices;
 	for (size_t i = 0; i < hello->n_devices && i < 16; i++)
 		info->device_index[i] = hello->devices[i]->index;
@@ -576,8 +661,10 @@ NC_API void nc_close(nc_conn *conn)
 		env.goodbye = &bye;
 		nc__send(conn, &env, -1);
 	}
+	nc__enqueue_stop(conn); /* before the fd closes: its watcher polls it */
 	if (conn->fd >= 0)
 		close(conn->fd);
+	nc__enqueue_release(conn);
 	nc__regions_release_all(conn);
 	nc__events_release(conn);
 	while (conn->replies) {
@@ -589,7 +676,8 @@ NC_API void nc_close(nc_conn *conn)
 	pthread_cond_destroy(&conn->cond);
 	pthread_mutex_destroy(&conn->lock);
 	pthread_mutex_destroy(&conn->send_lock);
-	nc__free(conn->pending);
+	nc__free(conn->pending.slots);
+	nc__free(conn->enqueued.slots);
 	nc__free(conn->in_buf);
 	nc__free(conn);
 }

@@ -33,6 +33,15 @@ struct nc__reply {
 	Normd__Envelope *env;
 };
 
+/* An open-addressing set of request ids (0 is never an id). */
+struct nc__idset {
+	uint64_t *slots;
+	size_t cap, count;
+};
+int nc__idset_add(struct nc__idset *set, uint64_t id);
+/* Returns whether `id` was there. */
+bool nc__idset_remove(struct nc__idset *set, uint64_t id);
+
 struct nc_conn {
 	int fd;
 	pthread_mutex_t send_lock;   /* one frame at a time on the socket */
@@ -42,8 +51,10 @@ struct nc_conn {
 	int broken;                  /* 0, or why the connection is unusable */
 	char broken_message[256];
 	struct nc__reply *replies;   /* unclaimed, newest first */
-	uint64_t *pending;           /* open-addressing set of submitted, unwaited ids */
-	size_t pending_cap, pending_count;
+	struct nc__idset pending;    /* submitted ids a thread will wait for */
+	struct nc__idset enqueued;   /* enqueued jobs' ids whose reply has not come */
+	int async_status;            /* the first enqueued job's error not yet reported */
+	char async_message[256];
 	uint64_t next_request_id;
 	uint64_t next_region_id;
 	uint8_t *in_buf;             /* only the active reader touches these */
@@ -53,6 +64,7 @@ struct nc_conn {
 	struct nc_server_info info;
 	struct nc_region *regions;  /* every region registered and not yet freed */
 	struct nc__events *events;  /* IPC events of the event mode, made on first use */
+	struct nc__enqueue *enqueue; /* semaphore slots of the enqueue mode, made on first use */
 };
 
 /* Records the calling thread's error message and returns `status`. */
@@ -95,5 +107,19 @@ int nc__region_unregister(nc_region *region);
 void nc__regions_release_all(nc_conn *conn);
 /* Destroys the connection's IPC events (at nc_close). */
 void nc__events_release(nc_conn *conn);
+
+/* Fills a Job message from `job` (tensors live in `ts`, 11 of them, on the caller's stack). */
+void nc__job_to_msg(const struct nc_job *job, Normd__Job *msg, Normd__Tensor *ts);
+
+/* The enqueue mode (enqueue.c). With conn->lock held: an enqueued job's reply arrived. */
+void nc__enqueue_answered(nc_conn *conn, const Normd__Envelope *env);
+/* Reads whatever replies have arrived, without waiting. */
+void nc__poll_replies(nc_conn *conn);
+/* Waits until every enqueued job has been answered; 0 or NC_ETIMEOUT. */
+int nc__await_enqueued(nc_conn *conn, int timeout_ms);
+/* nc_close: stops the watcher thread (before the socket closes). */
+void nc__enqueue_stop(nc_conn *conn);
+/* nc_close: releases every caller stream and frees the semaphore slots. */
+void nc__enqueue_release(nc_conn *conn);
 
 #endif /* NORMCLIENT_INTERNAL_H */

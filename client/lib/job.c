@@ -9,11 +9,6 @@
 #include "client/lib/internal.h"
 #include "proto/frame.h"
 
-/* Keeps the Tensor messages of one job on the caller's stack. */
-struct job_tensors {
-	Normd__Tensor t[11];
-};
-
 static Normd__Tensor *tensor_msg(Normd__Tensor *slot, struct nc_tensor t)
 {
 	if (t.region == 0)
@@ -25,7 +20,7 @@ static Normd__Tensor *tensor_msg(Normd__Tensor *slot, struct nc_tensor t)
 	return slot;
 }
 
-static void job_to_msg(const struct nc_job *job, Normd__Job *msg, struct job_tensors *ts)
+void nc__job_to_msg(const struct nc_job *job, Normd__Job *msg, Normd__Tensor *ts)
 {
 	normd__job__init(msg);
 	msg->op = (Normd__Op)job->op;
@@ -45,21 +40,21 @@ static void job_to_msg(const struct nc_job *job, Normd__Job *msg, struct job_ten
 		msg->has_deadline_us = true;
 		msg->deadline_us = job->deadline_us;
 	}
-	msg->x = tensor_msg(&ts->t[0], job->x);
-	msg->y = tensor_msg(&ts->t[1], job->y);
-	msg->mean = tensor_msg(&ts->t[2], job->mean);
-	msg->rstd = tensor_msg(&ts->t[3], job->rstd);
-	msg->gamma = tensor_msg(&ts->t[4], job->gamma);
-	msg->beta = tensor_msg(&ts->t[5], job->beta);
-	msg->dy = tensor_msg(&ts->t[6], job->dy);
-	msg->dx = tensor_msg(&ts->t[7], job->dx);
-	msg->dgamma = tensor_msg(&ts->t[8], job->dgamma);
-	msg->dbeta = tensor_msg(&ts->t[9], job->dbeta);
+	msg->x = tensor_msg(&ts[0], job->x);
+	msg->y = tensor_msg(&ts[1], job->y);
+	msg->mean = tensor_msg(&ts[2], job->mean);
+	msg->rstd = tensor_msg(&ts[3], job->rstd);
+	msg->gamma = tensor_msg(&ts[4], job->gamma);
+	msg->beta = tensor_msg(&ts[5], job->beta);
+	msg->dy = tensor_msg(&ts[6], job->dy);
+	msg->dx = tensor_msg(&ts[7], job->dx);
+	msg->dgamma = tensor_msg(&ts[8], job->dgamma);
+	msg->dbeta = tensor_msg(&ts[9], job->dbeta);
 	if (job->op == NC_WGRAD_ACCUM) {
 		msg->has_out_features = msg->has_gemm_beta = true;
 		msg->out_features = job->out_features;
 		msg->gemm_beta = (job->flags & NC_OVERWRITE) ? 0 : 1;
-		msg->main_grad = tensor_msg(&ts->t[10], job->main_grad);
+		msg->main_grad = tensor_msg(&ts[10], job->main_grad);
 	}
 }
 
@@ -69,8 +64,8 @@ int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const uint8_t 
 	if (!conn || !job || !request_id)
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn, job and request_id must not be NULL");
 	Normd__Job msg;
-	struct job_tensors ts;
-	job_to_msg(job, &msg, &ts);
+	Normd__Tensor ts[11];
+	nc__job_to_msg(job, &msg, ts);
 	if (wait_event) {
 		msg.has_wait_event = true;
 		msg.wait_event.data = (uint8_t *)wait_event;

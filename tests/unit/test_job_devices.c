@@ -53,6 +53,24 @@ uint64_t server_now_ns(void)
 {
 	return 0;
 }
+int estream_for_job(struct client *c, const Normd__Enqueue *msg, int device, struct estream **out,
+		    char *why, size_t why_len)
+{
+	(void)c, (void)msg, (void)device, (void)out, (void)why, (void)why_len;
+	return NC_EINTERNAL;
+}
+void estream_push(struct estream *es, struct job *job)
+{
+	(void)es, (void)job;
+}
+void estream_job_done(struct job *job)
+{
+	(void)job;
+}
+void estream_poll(struct server *srv)
+{
+	(void)srv;
+}
 
 enum { ROWS = 4, COLS = 256, REGION_BYTES = 1 << 20 };
 

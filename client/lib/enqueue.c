@@ -1,0 +1,593 @@
+/*
+ * The enqueue mode (docs/ENQUEUE.md): a job ordered with a caller's stream
+ * through a semaphore slot, with no thread waiting for a GPU.
+ *
+ * Per device the connection owns one block of NC__SLOTS slots of 128 bytes
+ * (cudaMalloc'ed on the CUDA backend, a memfd on the CPU backend),
+ * registered with the daemon as an ordinary region. A caller stream takes a
+ * slot on first use. For each job the stream writes ready = seq and waits
+ * for done >= seq (one batched call), then the request goes out; the daemon
+ * waits for ready, runs the job and writes done. Both words live in the
+ * client's memory: the daemon keeps its mapping while it has jobs on it, so
+ * each side can always write the word it waits on and release itself.
+ *
+ * A watcher thread per connection sleeps in poll() for the socket's hang-up;
+ * if the daemon dies it writes every slot's done word up to the last seq
+ * issued, from a stream of its own, so no caller stream waits forever.
+ */
+#include <cuda_runtime_api.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <poll.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "client/lib/internal.h"
+#include "kernels/cuda_driver.h"
+#include "proto/frame.h"
+
+#define NC__SLOTS 64
+#define NC__SLOT_BYTES 128
+#define NC__DONE_OFFSET 64
+#define NC__BLOCKS 16 /* devices one connection enqueues on */
+
+struct nc__slot {
+	void *key;     /* the caller's stream */
+	bool used;
+	uint32_t seq;  /* the latest seq issued */
+};
+
+/* One device's semaphore slots. */
+struct nc__block {
+	int device;              /* -1: host memory (CPU backend) */
+	nc_region *region;       /* registered with the daemon */
+	uint8_t *words;          /* device pointer, or the host mapping */
+	void *device_memory;     /* ours to cudaFree, or NULL */
+	cudaStream_t release;    /* writes done words when the daemon is gone */
+	struct nc__slot slots[NC__SLOTS];
+};
+
+struct nc__enqueue {
+	pthread_mutex_t lock;    /* one enqueue at a time: seq order = GPU order = send order */
+	struct nc__block blocks[NC__BLOCKS];
+	unsigned block_count;
+	bool released;           /* every slot's done word was written by us */
+	pthread_t watcher;
+	bool watching;
+	int stop_pipe[2];
+};
+
+/* ---- checking a job here ------------------------------------------------------------ */
+
+enum { R_X, R_Y, R_MEAN, R_RSTD, R_GAMMA, R_BETA, R_DY, R_DX, R_DGAMMA, R_DBETA, R_MAIN_GRAD,
+       R_COUNT };
+#define BIT(r) (1u << (r))
+
+/* Per op: the tensors it needs, and those it may take (the daemon's job.c has the same rules). */
+static const struct {
+	unsigned required, optional;
+	bool backward;
+} op_tensors[] = {
+	[NC_LAYERNORM_FWD] = {BIT(R_X) | BIT(R_Y), BIT(R_MEAN) | BIT(R_RSTD) | BIT(R_GAMMA) | BIT(R_BETA),
+			      false},
+	[NC_LAYERNORM_BWD] = {BIT(R_X) | BIT(R_MEAN) | BIT(R_RSTD) | BIT(R_DY) | BIT(R_DX),
+			      BIT(R_GAMMA) | BIT(R_BETA) | BIT(R_DGAMMA) | BIT(R_DBETA), true},
+	[NC_RMSNORM_FWD] = {BIT(R_X) | BIT(R_Y), BIT(R_RSTD) | BIT(R_GAMMA), false},
+	[NC_RMSNORM_BWD] = {BIT(R_X) | BIT(R_RSTD) | BIT(R_DY) | BIT(R_DX),
+			    BIT(R_GAMMA) | BIT(R_DGAMMA), true},
+	[NC_WGRAD_ACCUM] = {BIT(R_X) | BIT(R_DY) | BIT(R_MAIN_GRAD), 0, false},
+};
+
+static const char *const role_names[R_COUNT] = {
+	"x", "y", "mean", "rstd", "gamma", "beta", "dy", "dx", "dgamma", "dbeta", "main_grad",
+};
+
+static size_t dtype_size(enum nc_dtype dtype)
+{
+	return dtype == NC_F32 ? 4 : 2;
+}
+
+/* Elements and element size of a role (WGRAD_ACCUM is refused before this). */
+static void role_shape(const struct nc_job *job, int role, uint64_t *elems, size_t *size)
+{
+	enum nc_dtype weights = job->weight_dtype ? job->weight_dtype : job->dtype;
+	switch (role) {
+	case R_MEAN:
+	case R_RSTD:
+		*elems = job->rows;
+		*size = 4;
+		return;
+	case R_GAMMA:
+	case R_BETA:
+	case R_DGAMMA:
+	case R_DBETA:
+		*elems = job->cols;
+		*size = dtype_size(weights);
+		return;
+	default:
+		*elems = job->rows * job->cols;
+		*size = dtype_size(job->dtype);
+	}
+}
+
+/* The region of a tensor (conn->lock held), or NULL. */
+static const nc_region *region_of(nc_conn *conn, uint64_t id)
+{
+	for (const nc_region *r = conn->regions; r; r = r->next) {
+		if (r->id == id)
+			return r;
+	}
+	return NULL;
+}
+
+static int check_tensors(nc_conn *conn, const struct nc_job *job, int *device)
+{
+	const struct nc_tensor t[R_COUNT] = {job->x,  job->y,  job->mean,   job->rstd,
+					     job->gamma, job->beta, job->dy, job->dx,
+					     job->dgamma, job->dbeta, job->main_grad};
+	unsigned required = op_tensors[job->op].required, optional = op_tensors[job->op].optional;
+	if (job->flags & NC_MEMORY_EFFICIENT) {
+		required &= ~BIT(R_MEAN);
+		optional &= ~BIT(R_MEAN);
+	}
+	int rc = 0;
+	*device = -2;
+	pthread_mutex_lock(&conn->lock);
+	for (int role = 0; role < R_COUNT && rc == 0; role++) {
+		bool present = t[role].region != 0;
+		if (!present && (required & BIT(role))) {
+			rc = nc__fail(NC_EINVALID_ARGUMENT, "op %d needs tensor %s", (int)job->op,
+				      role_names[role]);
+			break;
+		}
+		if (!present)
+			continue;
+		if (!((required | optional) & BIT(role))) {
+			rc = nc__fail(NC_EINVALID_ARGUMENT, "tensor %s is not used by op %d%s",
+				      role_names[role], (int)job->op,
+				      (job->flags & NC_MEMORY_EFFICIENT) ? " (memory-efficient)" : "");
+			break;
+		}
+		const nc_region *r = region_of(conn, t[role].region);
+		uint64_t elems, bytes, end;
+		size_t size;
+		role_shape(job, role, &elems, &size);
+		if (!r) {
+			rc = nc__fail(NC_ENOT_FOUND, "tensor %s: region %llu is not registered",
+				      role_names[role], (unsigned long long)t[role].region);
+		} else if (__builtin_mul_overflow(elems, (uint64_t)size, &bytes) ||
+			   __builtin_add_overflow(t[role].offset, bytes, &end) || end > r->size) {
+			rc = nc__fail(NC_EOUT_OF_RANGE,
+				      "tensor %s: offset %llu + %llu elements runs past region %llu "
+				      "(%zu bytes)",
+				      role_names[role], (unsigned long long)t[role].offset,
+				      (unsigned long long)elems, (unsigned long long)r->id, r->size);
+		} else if (t[role].offset % size) {
+			rc = nc__fail(NC_EINVALID_ARGUMENT,
+				      "tensor %s: offset %llu is not a multiple of its element size",
+				      role_names[role], (unsigned long long)t[role].offset);
+		} else if (*device != -2 && r->device != *device) {
+			rc = nc__fail(NC_EINVALID_ARGUMENT, "tensors live on different devices");
+		} else {
+			*device = r->device;
+		}
+	}
+	pthread_mutex_unlock(&conn->lock);
+	return rc;
+}
+
+/* What the daemon would refuse, refused here so that the error is synchronous. */
+static int check_job(nc_conn *conn, const struct nc_job *job, int *device)
+{
+	uint64_t elems;
+	if (job->op < NC_LAYERNORM_FWD || job->op > NC_RMSNORM_BWD)
+		return nc__fail(job->op == NC_WGRAD_ACCUM ? NC_EUNSUPPORTED : NC_EINVALID_ARGUMENT,
+				"op %d cannot be enqueued (LayerNorm and RMSNorm only)", (int)job->op);
+	if (job->dtype < NC_F32 || job->dtype > NC_BF16)
+		return nc__fail(NC_EINVALID_ARGUMENT, "dtype %d is not F32, F16 or BF16",
+				(int)job->dtype);
+	if (job->weight_dtype && job->weight_dtype != job->dtype && job->weight_dtype != NC_F32)
+		return nc__fail(NC_EUNSUPPORTED, "weight_dtype must match dtype or be F32");
+	if (job->rows == 0 || job->cols == 0 || job->rows > INT64_MAX ||
+	    __builtin_mul_overflow(job->rows, job->cols, &elems) || elems > INT64_MAX / 8)
+		return nc__fail(NC_EINVALID_ARGUMENT, "rows %llu x cols %llu is not a shape",
+				(unsigned long long)job->rows, (unsigned long long)job->cols);
+	if (job->eps < 0.0f || !isfinite(job->eps))
+		return nc__fail(NC_EINVALID_ARGUMENT, "eps must be positive and finite (got %g)",
+				(double)job->eps);
+	if ((job->flags & ~(unsigned)(NC_MEMORY_EFFICIENT | NC_ACCUMULATE)) ||
+	    (job->flags && !op_tensors[job->op].backward))
+		return nc__fail(NC_EINVALID_ARGUMENT,
+				"flags 0x%x: memory_efficient and accumulate apply to backward ops",
+				job->flags);
+	return check_tensors(conn, job, device);
+}
+
+/* ---- semaphore blocks --------------------------------------------------------------- */
+
+static struct nc__enqueue *enqueue_of(nc_conn *conn)
+{
+	pthread_mutex_lock(&conn->lock);
+	if (!conn->enqueue) {
+		struct nc__enqueue *e = nc__calloc(1, sizeof(*e));
+		if (e) {
+			pthread_mutex_init(&e->lock, NULL);
+			e->stop_pipe[0] = e->stop_pipe[1] = -1;
+		}
+		conn->enqueue = e;
+	}
+	struct nc__enqueue *e = conn->enqueue;
+	pthread_mutex_unlock(&conn->lock);
+	return e;
+}
+
+static int block_create_device(nc_conn *conn, struct nc__block *b, int device)
+{
+	int previous = 0;
+	size_t bytes = NC__SLOTS * NC__SLOT_BYTES;
+	cudaGetDevice(&previous);
+	if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&b->device_memory, bytes) != cudaSuccess ||
+	    cudaMemset(b->device_memory, 0, bytes) != cudaSuccess ||
+	    cudaStreamCreateWithFlags(&b->release, cudaStreamNonBlocking) != cudaSuccess) {
+		cudaGetLastError();
+		cudaFree(b->device_memory);
+		b->device_memory = NULL;
+		cudaSetDevice(previous);
+		return nc__fail(NC_ERESOURCE_EXHAUSTED, "cannot allocate semaphore words on device %d",
+				device);
+	}
+	cudaSetDevice(previous);
+	int rc = nc_region_register_device(conn, b->device_memory, &b->region);
+	if (rc) {
+		cudaStreamDestroy(b->release);
+		cudaFree(b->device_memory);
+		b->device_memory = NULL;
+		return rc;
+	}
+	b->words = b->device_memory;
+	return 0;
+}
+
+/* The block of `device` (conn's enqueue lock held), made on first use. */
+static int block_for(nc_conn *conn, struct nc__enqueue *e, int device, struct nc__block **out)
+{
+	for (unsigned i = 0; i < e->block_count; i++) {
+		if (e->blocks[i].device == device) {
+			*out = &e->blocks[i];
+			return 0;
+		}
+	}
+	if (e->block_count == NC__BLOCKS)
+		return nc__fail(NC_ERESOURCE_EXHAUSTED, "enqueue on more than %d devices", NC__BLOCKS);
+	struct nc__block *b = &e->blocks[e->block_count];
+	memset(b, 0, sizeof(*b));
+	b->device = device;
+	int rc;
+	if (device < 0) {
+		rc = nc_region_alloc_host(conn, NC__SLOTS * NC__SLOT_BYTES, &b->region);
+		if (rc == 0)
+			b->words = nc_region_data(b->region);
+	} else {
+		rc = block_create_device(conn, b, device);
+	}
+	if (rc)
+		return rc;
+	e->block_count++;
+	*out = b;
+	return 0;
+}
+
+static struct nc__slot *slot_for(struct nc__block *b, void *key, bool create)
+{
+	struct nc__slot *free_slot = NULL;
+	for (unsigned i = 0; i < NC__SLOTS; i++) {
+		if (b->slots[i].used && b->slots[i].key == key)
+			return &b->slots[i];
+		if (!b->slots[i].used && !free_slot)
+			free_slot = &b->slots[i];
+	}
+	if (!create || !free_slot)
+		return NULL;
+	free_slot->used = true;
+	free_slot->key = key;
+	return free_slot;
+}
+
+static uint8_t *slot_words(struct nc__block *b, const struct nc__slot *slot)
+{
+	return b->words + (size_t)(slot - b->slots) * NC__SLOT_BYTES;
+}
+
+/* Writes done = the latest seq issued on every slot: no caller stream waits on us any more. */
+static void release_all_slots(struct nc__enqueue *e)
+{
+	for (unsigned i = 0; i < e->block_count; i++) {
+		struct nc__block *b = &e->blocks[i];
+		for (unsigned k = 0; k < NC__SLOTS; k++) {
+			if (!b->slots[k].used)
+				continue;
+			uint8_t *done = slot_words(b, &b->slots[k]) + NC__DONE_OFFSET;
+			if (b->device < 0)
+				atomic_store_explicit((_Atomic uint32_t *)done, b->slots[k].seq,
+						      memory_order_release);
+			else if (nk_cuda_stream_write(b->release, done, NULL, b->slots[k].seq) != 0)
+				cudaGetLastError();
+		}
+		if (b->device >= 0)
+			cudaStreamSynchronize(b->release);
+	}
+	e->released = true;
+}
+
+/* ---- the watcher: releases the streams when the daemon goes away --------------------- */
+
+static void *watcher_main(void *arg)
+{
+	nc_conn *conn = arg;
+	struct nc__enqueue *e = conn->enqueue;
+	struct pollfd fds[2] = {{.fd = conn->fd, .events = POLLRDHUP},
+				{.fd = e->stop_pipe[0], .events = POLLIN}};
+	for (;;) {
+		int n = poll(fds, 2, -1);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 || fds[1].revents)
+			return NULL;
+		if (fds[0].revents & (POLLRDHUP | POLLHUP | POLLERR))
+			break;
+	}
+	pthread_mutex_lock(&conn->lock);
+	if (!conn->broken) {
+		conn->broken = NC_EDISCONNECTED;
+		snprintf(conn->broken_message, sizeof(conn->broken_message),
+			 "normd closed the connection");
+	}
+	pthread_cond_broadcast(&conn->cond);
+	pthread_mutex_unlock(&conn->lock);
+	pthread_mutex_lock(&e->lock);
+	release_all_slots(e);
+	pthread_mutex_unlock(&e->lock);
+	return NULL;
+}
+
+static void watcher_start(nc_conn *conn, struct nc__enqueue *e)
+{
+	if (e->watching || pipe2(e->stop_pipe, O_CLOEXEC) != 0)
+		return;
+	e->watching = pthread_create(&e->watcher, NULL, watcher_main, conn) == 0;
+}
+
+void nc__enqueue_stop(nc_conn *conn)
+{
+	struct nc__enqueue *e = conn->enqueue;
+	if (!e || !e->watching)
+		return;
+	ssize_t ignored = write(e->stop_pipe[1], "x", 1);
+	(void)ignored;
+	pthread_join(e->watcher, NULL);
+	e->watching = false;
+}
+
+void nc__enqueue_release(nc_conn *conn)
+{
+	struct nc__enqueue *e = conn->enqueue;
+	if (!e)
+		return;
+	if (!e->released)
+		release_all_slots(e);
+	for (unsigned i = 0; i < e->block_count; i++) {
+		struct nc__block *b = &e->blocks[i];
+		if (b->device < 0)
+			continue; /* a host region: released with the others */
+		cudaStreamDestroy(b->release);
+		cudaFree(b->device_memory);
+	}
+	for (int i = 0; i < 2; i++) {
+		if (e->stop_pipe[i] >= 0)
+			close(e->stop_pipe[i]);
+	}
+	pthread_mutex_destroy(&e->lock);
+	nc__free(e);
+	conn->enqueue = NULL;
+}
+
+/* ---- asynchronous errors -------------------------------------------------------------- */
+
+void nc__enqueue_answered(nc_conn *conn, const Normd__Envelope *env)
+{
+	int status = NC_EPROTOCOL_ERROR;
+	const char *message = "unexpected reply to an enqueued job";
+	if (env->body_case == NORMD__ENVELOPE__BODY_JOB_REPLY) {
+		status = nc__status_from_wire(env->job_reply->status);
+		message = env->job_reply->message;
+	} else if (env->body_case == NORMD__ENVELOPE__BODY_RESULT) {
+		status = nc__status_from_wire(env->result->status);
+		message = env->result->message;
+	}
+	if (status == NC_OK || conn->async_status != NC_OK)
+		return; /* the first error is kept until it is reported */
+	conn->async_status = status;
+	snprintf(conn->async_message, sizeof(conn->async_message),
+		 "enqueued request %llu failed: %s", (unsigned long long)env->request_id,
+		 message ? message : nc_strerror(status));
+}
+
+/* The error an enqueue-mode call reports before anything else, or 0. */
+static int pending_error(nc_conn *conn)
+{
+	int rc = 0;
+	pthread_mutex_lock(&conn->lock);
+	if (conn->async_status) {
+		rc = nc__fail(conn->async_status, "%s", conn->async_message);
+		conn->async_status = 0;
+	} else if (conn->broken) {
+		rc = nc__fail(NC_EDISCONNECTED, "%s", conn->broken_message);
+	}
+	pthread_mutex_unlock(&conn->lock);
+	return rc;
+}
+
+/* ---- the calls ---------------------------------------------------------------------- */
+
+/* Queues the stream side of one job and sends it; the enqueue lock is held. */
+static int enqueue_locked(nc_conn *conn, struct nc__block *b, struct nc__slot *slot,
+			  const struct nc_job *job, void *stream)
+{
+	uint32_t seq = slot->seq + 1;
+	uint8_t *words = slot_words(b, slot);
+	if (b->device < 0) {
+		atomic_store_explicit((_Atomic uint32_t *)words, seq, memory_order_release);
+	} else if (nk_cuda_stream_signal_wait(stream, words, seq, words + NC__DONE_OFFSET, seq) != 0) {
+		cudaGetLastError();
+		return nc__fail(NC_EINVALID_ARGUMENT,
+				"cannot queue the semaphore operations on the caller's stream");
+	}
+	Normd__Job msg;
+	Normd__Tensor ts[11];
+	nc__job_to_msg(job, &msg, ts);
+	Normd__Enqueue enq = NORMD__ENQUEUE__INIT;
+	enq.sem_region = nc_region_id(b->region);
+	enq.sem_offset = (uint64_t)(words - b->words);
+	enq.seq = seq;
+	msg.enqueue = &enq;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.body_case = NORMD__ENVELOPE__BODY_JOB;
+	env.job = &msg;
+	pthread_mutex_lock(&conn->lock);
+	uint64_t id = ++conn->next_request_id;
+	int rc = nc__idset_add(&conn->enqueued, id);
+	pthread_mutex_unlock(&conn->lock);
+	env.has_request_id = true;
+	env.request_id = id;
+	if (rc == 0)
+		rc = nc__send(conn, &env, -1);
+	slot->seq = seq; /* the stream waits for it: it must be released below if not sent */
+	if (rc == 0)
+		return 0;
+	pthread_mutex_lock(&conn->lock);
+	nc__idset_remove(&conn->enqueued, id);
+	pthread_mutex_unlock(&conn->lock);
+	if (b->device < 0)
+		atomic_store_explicit((_Atomic uint32_t *)(words + NC__DONE_OFFSET), seq,
+				      memory_order_release);
+	else if (nk_cuda_stream_write(b->release, words + NC__DONE_OFFSET, NULL, seq) != 0)
+		cudaGetLastError();
+	return rc == NC_EIO ? nc__fail(NC_EDISCONNECTED, "%s", nc_last_error()) : rc;
+}
+
+NC_API int nc_job_enqueue(nc_conn *conn, const struct nc_job *job, void *stream)
+{
+	if (!conn || !job)
+		return nc__fail(NC_EINVALID_ARGUMENT, "conn and job must not be NULL");
+	nc__poll_replies(conn);
+	int rc = pending_error(conn);
+	int device = -1;
+	if (rc == 0)
+		rc = check_job(conn, job, &device);
+	struct nc__enqueue *e = rc ? NULL : enqueue_of(conn);
+	if (rc == 0 && !e)
+		rc = nc__fail(NC_ENOMEM, "out of memory for the enqueue mode");
+	if (rc)
+		return rc;
+	pthread_mutex_lock(&e->lock);
+	struct nc__block *b = NULL;
+	struct nc__slot *slot = NULL;
+	if (e->released)
+		rc = nc__fail(NC_EDISCONNECTED, "the connection to normd is gone");
+	if (rc == 0)
+		rc = block_for(conn, e, device, &b);
+	if (rc == 0 && !(slot = slot_for(b, stream, true)))
+		rc = nc__fail(NC_ERESOURCE_EXHAUSTED,
+			      "more than %d streams enqueue on device %d of this connection",
+			      NC__SLOTS, device);
+	if (rc == 0)
+		rc = enqueue_locked(conn, b, slot, job, stream);
+	if (rc == 0)
+		watcher_start(conn, e);
+	pthread_mutex_unlock(&e->lock);
+	return rc;
+}
+
+NC_API int nc_conn_check(nc_conn *conn, int timeout_ms)
+{
+	if (!conn)
+		return nc__fail(NC_EINVALID_ARGUMENT, "conn is NULL");
+	int rc = nc__await_enqueued(conn, timeout_ms);
+	int pending = pending_error(conn);
+	return pending ? pending : rc;
+}
+
+static int64_t now_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* Whether the jobs of `stream` are done: the key's done word (host), or the stream idle (CUDA). */
+static int stream_idle(nc_conn *conn, void *stream, bool *idle)
+{
+	struct nc__enqueue *e = conn->enqueue;
+	*idle = true;
+	if (!e)
+		return 0;
+	pthread_mutex_lock(&e->lock);
+	bool host = false;
+	uint32_t target = 0;
+	const uint8_t *done = NULL;
+	for (unsigned i = 0; i < e->block_count && !done; i++) {
+		struct nc__slot *slot = slot_for(&e->blocks[i], stream, false);
+		if (slot && e->blocks[i].device < 0) {
+			host = true;
+			target = slot->seq;
+			done = slot_words(&e->blocks[i], slot) + NC__DONE_OFFSET;
+		}
+	}
+	pthread_mutex_unlock(&e->lock);
+	if (host) {
+		uint32_t now = atomic_load_explicit((_Atomic uint32_t *)done, memory_order_acquire);
+		*idle = (int32_t)(now - target) >= 0;
+		return 0;
+	}
+	if (e->block_count == 0 || e->blocks[0].device < 0)
+		return 0;
+	cudaError_t state = cudaStreamQuery((cudaStream_t)stream);
+	if (state == cudaErrorNotReady) {
+		*idle = false;
+		return 0;
+	}
+	if (state != cudaSuccess) {
+		cudaGetLastError();
+		return nc__fail(NC_EINVALID_ARGUMENT, "cudaStreamQuery: %s", cudaGetErrorString(state));
+	}
+	return 0;
+}
+
+NC_API int nc_stream_wait(nc_conn *conn, void *stream, int timeout_ms)
+{
+	if (!conn)
+		return nc__fail(NC_EINVALID_ARGUMENT, "conn is NULL");
+	int64_t start = now_us(), pause_us = 1;
+	for (;;) {
+		bool idle = false;
+		int rc = stream_idle(conn, stream, &idle);
+		if (rc)
+			return rc;
+		if (idle)
+			break;
+		int64_t waited = now_us() - start;
+		if (timeout_ms >= 0 && waited >= (int64_t)timeout_ms * 1000)
+			return nc__fail(NC_ETIMEOUT, "the stream's jobs did not finish within %d ms",
+					timeout_ms);
+		/* Poll fast for short jobs, then back off to a millisecond. */
+		struct timespec ts = {0, pause_us * 1000};
+		nanosleep(&ts, NULL);
+		pause_us = pause_us < 1000 ? pause_us * 2 : 1000;
+	}
+	int64_t left = timeout_ms < 0 ? -1 : timeout_ms - (now_us() - start) / 1000;
+	return nc_conn_check(conn, left < 0 && timeout_ms >= 0 ? 0 : (int)left);
+}
