@@ -37,7 +37,7 @@ struct config_entry {
 
 static const struct config_entry config_table[] = {
 	STR(device, "0", "backend and devices: cpu, 0, 0,1 or all"),
-	STR(socket, "/run/normd/normd.sock", "Unix socket to listen on"),
+	STR(socket, "/run/normd/0.sock", "Unix socket to listen on"),
 	UINT(socket_mode, "0660", 0, 0777, "permission bits of the socket (octal)"),
 	STR(socket_group, "", "group that owns the socket (empty: unchanged)"),
 	STR(state_dir, "/var/lib/normd", "where per-GPU variant caches are kept"),

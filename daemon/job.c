@@ -148,16 +148,13 @@ static size_t role_elem_size(const struct job *job, enum tensor_role role)
 	return nk_dtype_size(a->dtype);
 }
 
-static int job_check_shape(struct job *job, const Normd__Job *msg, const struct config *cfg)
+static int job_check_shape(struct job *job, const Normd__Job *msg)
 {
 	uint64_t elems, bytes;
 	if (msg->rows == 0)
 		return job_refuse(job, NC_EINVALID_ARGUMENT, "rows must be at least 1 (got 0)");
 	if (msg->cols == 0)
 		return job_refuse(job, NC_EINVALID_ARGUMENT, "cols must be at least 1 (got 0)");
-	if (msg->cols > cfg->max_cols)
-		return job_refuse(job, NC_EOUT_OF_RANGE, "cols %llu exceeds max_cols %llu",
-				  (unsigned long long)msg->cols, (unsigned long long)cfg->max_cols);
 	if (msg->rows > INT64_MAX || __builtin_mul_overflow(msg->rows, msg->cols, &elems) ||
 	    elems > INT64_MAX || __builtin_mul_overflow(elems, (uint64_t)8, &bytes))
 		return job_refuse(job, NC_EOUT_OF_RANGE,
@@ -303,7 +300,7 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 	if (!r)
 		return job_refuse(job, NC_EINVALID_ARGUMENT, "op %d is not a known operation",
 				  (int)msg->op);
-	if (job_check_shape(job, msg, cfg) || job_check_types(job, msg, r))
+	if (job_check_shape(job, msg) || job_check_types(job, msg, r))
 		return job->status;
 	if (msg->op == NORMD__OP__WGRAD_ACCUM) {
 		if ((msg->memory_efficient || msg->accumulate))
@@ -324,7 +321,15 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 	struct op_rules adjusted = *r;
 	if (msg->memory_efficient)
 		adjusted.use[T_MEAN] = U_NONE;
-	if (job_bind_tensors(job, regions, msg, &adjusted))
+	/*
+	 * max_cols is judged after binding, so that a refused enqueued job still
+	 * has its outputs to poison; it is still the error reported first.
+	 */
+	job->bound = job_bind_tensors(job, regions, msg, &adjusted) == 0;
+	if (msg->cols > cfg->max_cols)
+		job_refuse(job, NC_EOUT_OF_RANGE, "cols %llu exceeds max_cols %llu",
+			   (unsigned long long)msg->cols, (unsigned long long)cfg->max_cols);
+	if (job->status)
 		return job->status;
 	if (msg->has_wait_event && msg->wait_event.len != 64)
 		return job_refuse(job, NC_EINVALID_ARGUMENT,
@@ -348,12 +353,10 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 		job->gemm.main_grad = job->main_grad;
 		if (nk_wgrad_check(&job->gemm, &why) != NK_OK)
 			return job_refuse(job, NC_EINVALID_ARGUMENT, "%s", why);
-		job->bound = true;
 		return 0;
 	}
 	if (nk_norm_check(a, &why) != NK_OK)
 		return job_refuse(job, NC_EINVALID_ARGUMENT, "%s", why ? why : "invalid job");
-	job->bound = true;
 	return 0;
 }
 

@@ -184,7 +184,7 @@ struct job {
 	struct estream *estream;     /* the enqueue mode: the caller stream it is ordered with */
 	struct job *es_next;         /* the estream's list, in seq order */
 	uint32_t seq;                /* its sequence number there */
-	bool bound;                  /* validated: its tensors point into its regions */
+	bool bound;                  /* its tensors point into its regions (bounds checked) */
 	bool launched;               /* enqueue mode: queued on the device, answered */
 };
 
