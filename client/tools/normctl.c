@@ -20,7 +20,7 @@
 #include "client/tools/statsfmt.h"
 #include "normclient.h"
 
-#define DEFAULT_SOCKET "/run/normd/normd.sock"
+#define DEFAULT_SOCKET "/run/normd/0.sock"
 #define TIMEOUT_MS 60000
 
 static double now_us(void)

@@ -70,7 +70,7 @@
 #include "client/tools/jobkit.h"
 #include "normclient.h"
 
-#define DEFAULT_SOCKET "/run/normd/normd.sock"
+#define DEFAULT_SOCKET "/run/normd/0.sock"
 #define MAX_SLOTS 4096            /* processes x threads */
 #define MAX_INFLIGHT 1024         /* per thread */
 #define START_TIMEOUT_NS 120000000000ull /* longest wait for every client to be ready */

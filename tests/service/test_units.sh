@@ -44,6 +44,24 @@ for line in 'ListenStream=/run/normd/%i.sock' SocketMode=0660 SocketGroup=normd;
 done
 check "the units keep notify, socket activation, device access, sandbox and restart settings"
 
+# One default socket: what normd@0.socket listens on is where the daemon, the
+# tools and the Python package look when no --socket or $NORMD_SOCKET says.
+unit0=$(sed -n 's|^ListenStream=\(.*\)%i\(.*\)$|\10\2|p' "$U/normd@.socket")
+[ "$unit0" = /run/normd/0.sock ] || fail "normd@0.socket listens on '$unit0'"
+daemon=$("$B/bin/normd" --config /dev/null --print-config | sed -n 's/^socket = //p')
+[ "$daemon" = "$unit0" ] || fail "normd's default socket '$daemon' is not normd@0's '$unit0'"
+grep -qx "#socket = $unit0" systemd/normd.conf || fail "normd.conf's socket is not $unit0"
+if [ ! -e "$unit0" ]; then # (a host running normd@0 would answer instead)
+	out=$(env -u NORMD_SOCKET "$B/bin/normctl" ping 2>&1)
+	case "$out" in *"at $unit0:"*) ;; *) fail "normctl's default is not $unit0: $out" ;; esac
+fi
+out=$(env -u NORMD_SOCKET "$B/bin/normstress" --help 2>&1)
+case "$out" in *"else $unit0)"*) ;; *) fail "normstress's default is not $unit0: $out" ;; esac
+py=$(PYTHONPATH=bindings/python python3 -c 'from normd.client import DEFAULT_SOCKET; print(DEFAULT_SOCKET)' 2>&1) ||
+	fail "python: $py"
+[ "$py" = "$unit0" ] || fail "the Python package's default is '$py', not $unit0"
+check "normd@0.socket, normd, normd.conf, normctl, normstress and the Python package share $unit0"
+
 R="$T/sysroot"
 mkdir -p "$R/etc"
 systemd-sysusers --root="$R" "$P/lib/sysusers.d/normd.conf" >"$T/sysusers.log" 2>&1 ||

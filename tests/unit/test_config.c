@@ -76,7 +76,7 @@ static void test_missing_default_file_means_defaults(void **state)
 	assert_int_equal(parse(&cfg, NULL), 0);
 	assert_null(cfg.config_file);
 	assert_int_equal(cfg.max_clients, 256);
-	assert_string_equal(cfg.socket, "/run/normd/normd.sock");
+	assert_string_equal(cfg.socket, "/run/normd/0.sock");
 	config_free(&cfg);
 }
 

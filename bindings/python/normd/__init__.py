@@ -12,7 +12,7 @@ A pure-Python (ctypes) layer over libnormclient:
 
 The library is found through $NORMD_LIBRARY, the source tree's build/, or
 the system's library path (see normd._lib); the daemon's socket through
-$NORMD_SOCKET (default /run/normd/normd.sock).
+$NORMD_SOCKET (default /run/normd/0.sock).
 """
 
 import importlib

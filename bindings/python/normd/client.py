@@ -11,7 +11,7 @@ from .dtypes import ITEMSIZE, dtype_of, to_dtype
 from .errors import NormdError, check, status_name
 from .host import HostRegion, host_error, numpy_dtype, to_bf16
 
-DEFAULT_SOCKET = "/run/normd/normd.sock"
+DEFAULT_SOCKET = "/run/normd/0.sock"
 DEFAULT_TIMEOUT_MS = 30000
 
 _EXPANDABLE_HINT = (
@@ -165,7 +165,7 @@ class Client:
 
     Args:
         socket: the daemon's socket path (default: $NORMD_SOCKET, else
-            /run/normd/normd.sock).
+            /run/normd/0.sock).
         name: how the daemon's log names this client (default: "python:<program>").
         timeout_ms: the limit for connecting and, by default, for each job
             (a negative value: no limit).
@@ -535,7 +535,7 @@ _default = None
 def default_client():
     """The process's shared Client, connected on first use.
 
-    It connects to $NORMD_SOCKET (default /run/normd/normd.sock). A forked
+    It connects to $NORMD_SOCKET (default /run/normd/0.sock). A forked
     child gets a fresh connection of its own. normd.normalization uses it.
     """
     global _default
