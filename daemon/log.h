@@ -1,6 +1,9 @@
 /*
  * Structured log lines on stderr: `normd level=info event=... key=value`.
- * journald adds time and unit; a terminal gets the same lines.
+ * journald adds time and unit; a terminal gets the same lines. When stderr
+ * is the journal's stream ($JOURNAL_STREAM), each line starts with its
+ * sd-daemon priority (<3> error, <4> warn, <6> info, <7> debug), which
+ * journald strips and files the line under.
  */
 #ifndef NORMD_LOG_H
 #define NORMD_LOG_H
