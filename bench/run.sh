@@ -3,6 +3,10 @@
 # on the same shapes and prints one combined table:
 #   op, dtype, cols, normd GB/s, % of copy BW, torch GB/s, normd/torch,
 #   plus the variant that ran and the best autotuning candidate.
+# Then, unless COLS narrows the run to a few widths, bench/bench_enqueue: the
+# enqueue mode's host cost, dependent-chain GPU time and aggregate rate beside
+# the synchronous mode and in-process launches (bench/enqueue_mps.sh runs it
+# with and without MPS).
 # Usage: sh bench/run.sh BUILD_DIR [COLS]   (raw logs go to $BENCH_LOG_DIR or /tmp)
 set -eu
 build=${1:-build}
@@ -44,3 +48,11 @@ for kind, v in normd:
           f"{t if t else '-'} | {ratio} | {v['variant']} | {v['tuned_gbps']} | "
           f"{v['tuned_pct']} | {v['tuned_variant']} |")
 PY
+if [ -z "$only" ]; then
+	echo
+	rc=0
+	NORMD_BIN="$build/bin/normd" "$build/bench/bench_enqueue" --json "$logs/bench_enqueue.json" \
+		> "$logs/bench_enqueue.log" 2>&1 || rc=$?
+	cat "$logs/bench_enqueue.log"
+	exit $rc
+fi

@@ -1,0 +1,98 @@
+#!/bin/sh
+# Runs bench/bench_enqueue twice on GPU 0: without MPS (it starts its own
+# normd), then under NVIDIA MPS (an MPS control daemon of our own, a fresh
+# normd on a private socket, both with the same CUDA_MPS_* environment as
+# the benchmark's client processes, all as this one user: docs/MPS.md).
+# Never changes clocks or the compute mode. Writes to LOG_DIR:
+#   no_mps.txt, no_mps.json     the benchmark without MPS
+#   mps.txt, mps.json           the benchmark under MPS
+#   normd_mps.log               the normd started under MPS
+#   mps_control.log             what nvidia-cuda-mps-control said
+# Usage: sh bench/enqueue_mps.sh LOG_DIR [BUILD_DIR] [bench_enqueue options...]
+set -u
+logs=${1:?usage: sh bench/enqueue_mps.sh LOG_DIR [BUILD_DIR] [bench_enqueue options...]}
+build=${2:-build}
+[ $# -ge 2 ] && shift 2 || shift $#
+mkdir -p "$logs"
+# Libraries the GPU machine lacks (it has no Debian packages), copied by `make gpu-progs`.
+export LD_LIBRARY_PATH="$build/lib/gpu-host${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+bench="$build/bench/bench_enqueue"
+normd="$build/bin/normd"
+status=0
+
+echo "== without MPS"
+# An MPS daemon left running at the default pipe directory would capture the
+# clients; say so rather than report MPS numbers as non-MPS ones.
+if [ -e /tmp/nvidia-mps/control ] && [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
+	echo "warning: an MPS control daemon seems to run at /tmp/nvidia-mps" >&2
+fi
+if NORMD_BIN="$normd" "$bench" --json "$logs/no_mps.json" "$@" >"$logs/no_mps.txt" 2>&1; then
+	cat "$logs/no_mps.txt"
+else
+	echo "bench_enqueue without MPS FAILED (see $logs/no_mps.txt)"
+	tail -20 "$logs/no_mps.txt"
+	status=1
+fi
+
+echo "== with MPS"
+ctl=$(command -v nvidia-cuda-mps-control || true)
+[ -z "$ctl" ] && [ -x /usr/local/nvidia/bin/nvidia-cuda-mps-control ] &&
+	ctl=/usr/local/nvidia/bin/nvidia-cuda-mps-control
+if [ -z "$ctl" ]; then
+	echo "nvidia-cuda-mps-control not found: the MPS run is skipped"
+	exit 1
+fi
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] && echo get_server_list | "$ctl" >/dev/null 2>&1; then
+	echo "an MPS control daemon already runs at $CUDA_MPS_PIPE_DIRECTORY: not starting or stopping one"
+	own_mps=0
+else
+	"$ctl" -d >"$logs/mps_control.log" 2>&1 || {
+		echo "nvidia-cuda-mps-control -d failed:"
+		cat "$logs/mps_control.log"
+		exit 1
+	}
+	own_mps=1
+fi
+dir=$(mktemp -d /tmp/normd-mps-bench.XXXXXX)
+sock="$dir/normd.sock"
+normd_pid=""
+cleanup() {
+	if [ -n "$normd_pid" ]; then
+		kill -TERM "$normd_pid" 2>/dev/null
+		wait "$normd_pid" 2>/dev/null
+		normd_pid=""
+	fi
+	if [ "$own_mps" = 1 ]; then
+		echo quit | "$ctl" >>"$logs/mps_control.log" 2>&1
+		own_mps=0
+	fi
+	rm -rf "$dir"
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+"$normd" --config /dev/null --device 0 --socket "$sock" --state-dir "$dir" \
+	--log-level info >"$logs/normd_mps.log" 2>&1 &
+normd_pid=$!
+# Up to 60 s: the first context under MPS also starts the MPS server.
+i=0
+until [ -S "$sock" ] && LD_LIBRARY_PATH="$LD_LIBRARY_PATH" "$build/bin/normctl" \
+	--socket "$sock" ping >/dev/null 2>&1; do
+	i=$((i + 1))
+	if [ $i -gt 600 ] || ! kill -0 "$normd_pid" 2>/dev/null; then
+		echo "normd did not start under MPS:"
+		tail -20 "$logs/normd_mps.log"
+		exit 1
+	fi
+	sleep 0.1
+done
+grep -h "event=device" "$logs/normd_mps.log" | head -2
+if "$bench" --socket "$sock" --json "$logs/mps.json" "$@" >"$logs/mps.txt" 2>&1; then
+	cat "$logs/mps.txt"
+else
+	echo "bench_enqueue under MPS FAILED (see $logs/mps.txt)"
+	tail -20 "$logs/mps.txt"
+	status=1
+fi
+exit $status
