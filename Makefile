@@ -251,13 +251,17 @@ bench-gpu: gpu-progs
 # paths), sysusers.d/tmpfiles.d files, man pages, and the default config
 # file unless one is already there. Run ldconfig afterwards for /usr/local.
 INSTALL ?= install
-UNIT_SED = -e 's|@SBINDIR@|$(SBINDIR)|g' -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g'
+# The NVIDIA driver installs the MPS control program (normd-mps@.service).
+MPS_CONTROL ?= /usr/bin/nvidia-cuda-mps-control
+UNIT_SED = -e 's|@SBINDIR@|$(SBINDIR)|g' -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' \
+	-e 's|@MPS_CONTROL@|$(MPS_CONTROL)|g'
 D := $(DESTDIR)
 
 install: all
 	@mkdir -p $(B)/install
 	sed $(PC_SED) client/normclient.pc.in > $(B)/install/normclient.pc
 	sed $(UNIT_SED) systemd/normd@.service.in > $(B)/install/normd@.service
+	sed $(UNIT_SED) systemd/normd-mps@.service.in > $(B)/install/normd-mps@.service
 	$(INSTALL) -d $(D)$(BINDIR) $(D)$(SBINDIR) $(D)$(LIBDIR)/pkgconfig $(D)$(INCLUDEDIR) \
 		$(D)$(UNITDIR) $(D)$(SYSUSERSDIR) $(D)$(TMPFILESDIR) $(D)$(SYSCONFDIR)/normd \
 		$(D)$(MANDIR)/man1 $(D)$(MANDIR)/man3 $(D)$(MANDIR)/man8
@@ -269,7 +273,8 @@ install: all
 	$(INSTALL) -m 0644 $(B)/lib/libnormclient.a $(D)$(LIBDIR)/
 	$(INSTALL) -m 0644 $(B)/install/normclient.pc $(D)$(LIBDIR)/pkgconfig/
 	$(INSTALL) -m 0644 client/include/normclient.h $(D)$(INCLUDEDIR)/
-	$(INSTALL) -m 0644 $(B)/install/normd@.service systemd/normd@.socket $(D)$(UNITDIR)/
+	$(INSTALL) -m 0644 $(B)/install/normd@.service systemd/normd@.socket \
+		$(B)/install/normd-mps@.service $(D)$(UNITDIR)/
 	$(INSTALL) -m 0644 systemd/normd.sysusers $(D)$(SYSUSERSDIR)/normd.conf
 	$(INSTALL) -m 0644 systemd/normd.tmpfiles $(D)$(TMPFILESDIR)/normd.conf
 	$(INSTALL) -m 0644 man/normctl.1 man/normstress.1 $(D)$(MANDIR)/man1/
@@ -289,6 +294,7 @@ uninstall:
 		$(D)$(LIBDIR)/libnormclient.so $(D)$(LIBDIR)/libnormclient.a \
 		$(D)$(LIBDIR)/pkgconfig/normclient.pc $(D)$(INCLUDEDIR)/normclient.h \
 		$(D)$(UNITDIR)/normd@.service $(D)$(UNITDIR)/normd@.socket \
+		$(D)$(UNITDIR)/normd-mps@.service \
 		$(D)$(SYSUSERSDIR)/normd.conf $(D)$(TMPFILESDIR)/normd.conf \
 		$(D)$(MANDIR)/man1/normctl.1 $(D)$(MANDIR)/man1/normstress.1 \
 		$(D)$(MANDIR)/man3/libnormclient.3 $(D)$(MANDIR)/man8/normd.8

@@ -1,10 +1,13 @@
 #!/bin/sh
 # The systemd files, checked offline (no systemd PID 1 needed):
-# - `systemd-analyze verify` has nothing to say about normd@.service and
-#   normd@.socket as `make install` writes them (installed under a private
-#   prefix, so ExecStart= names a real binary and Documentation= finds the
-#   installed man page); a deliberately broken copy does draw a complaint,
-#   which shows the check looks;
+# - `systemd-analyze verify` has nothing to say about normd@.service,
+#   normd@.socket and normd-mps@.service (alone, and normd@ with the MPS
+#   drop-in of docs/MPS.md) as `make install` writes them (installed under
+#   a private prefix, so ExecStart= names a real binary and Documentation=
+#   finds the installed man page); a deliberately broken copy does draw a
+#   complaint, which shows the check looks;
+# - normd@0.socket's path is the default socket of normd, normctl,
+#   normstress and the Python package;
 # - the unit keeps the settings the service depends on (notify, socket
 #   activation, device access, sandbox, restarts);
 # - systemd-sysusers and systemd-tmpfiles accept normd.sysusers and
@@ -14,8 +17,14 @@
 #   with `normd --print-config`), and loading it uncommented changes nothing.
 . tests/service/lib.sh
 P="$T/prefix"
+# A stand-in for the driver's nvidia-cuda-mps-control (no driver here), so
+# that normd-mps@.service names a real program.
+mkdir "$T/driver"
+printf '#!/bin/sh\nexit 0\n' >"$T/driver/nvidia-cuda-mps-control"
+chmod 0755 "$T/driver/nvidia-cuda-mps-control"
 make -s --no-print-directory B="$B" install PREFIX="$P" SYSCONFDIR="$P/etc" \
-	>"$T/install.log" 2>&1 || fail "make install PREFIX=$P"
+	MPS_CONTROL="$T/driver/nvidia-cuda-mps-control" >"$T/install.log" 2>&1 ||
+	fail "make install PREFIX=$P"
 U="$P/lib/systemd/system"
 
 out=$(MANPATH="$P/share/man:" systemd-analyze verify "$U/normd@0.service" "$U/normd@0.socket" \
@@ -61,6 +70,32 @@ py=$(PYTHONPATH=bindings/python python3 -c 'from normd.client import DEFAULT_SOC
 	fail "python: $py"
 [ "$py" = "$unit0" ] || fail "the Python package's default is '$py', not $unit0"
 check "normd@0.socket, normd, normd.conf, normctl, normstress and the Python package share $unit0"
+
+# NVIDIA MPS (docs/MPS.md): normd-mps@.service, and normd@.service with the
+# drop-in docs/MPS.md gives, verify cleanly; normd orders itself after the
+# MPS unit but does not require it (it must start without MPS).
+mps="$U/normd-mps@.service"
+for line in "ExecStart=$T/driver/nvidia-cuda-mps-control -f" \
+	"ExecStop=/bin/sh -c 'echo quit | $T/driver/nvidia-cuda-mps-control'" \
+	User=root Environment=CUDA_VISIBLE_DEVICES=%i \
+	Environment=CUDA_MPS_PIPE_DIRECTORY=/run/normd/mps-%i \
+	Environment=CUDA_MPS_LOG_DIRECTORY=/var/log/normd/mps-%i \
+	RuntimeDirectory=normd/mps-%i LogsDirectory=normd/mps-%i; do
+	grep -qxF "$line" "$mps" || fail "normd-mps@.service lacks '$line'"
+done
+grep -qx 'After=.* normd-mps@%i.service' "$svc" || fail "normd@.service is not ordered after normd-mps@%i"
+grep -q '^\(Requires\|Requisite\|BindsTo\|Wants\)=.*normd-mps' "$svc" &&
+	fail "normd@.service must not pull in or require normd-mps@"
+mkdir -p "$U/normd@1.service.d"
+sed -n '/^# BEGIN normd@.service.d\/mps.conf$/,/^# END$/p' docs/MPS.md | sed '1d;$d' |
+	sed "s|@SBINDIR@|$P/sbin|g; s|@SYSCONFDIR@|$P/etc|g" >"$U/normd@1.service.d/mps.conf"
+grep -qx 'Wants=normd-mps@%i.service' "$U/normd@1.service.d/mps.conf" ||
+	fail "no drop-in found in docs/MPS.md: $(cat "$U/normd@1.service.d/mps.conf")"
+out=$(MANPATH="$P/share/man:" systemd-analyze verify "$U/normd-mps@0.service" "$U/normd-mps@1.service" \
+	"$U/normd@1.service" 2>&1) || fail "systemd-analyze verify (MPS): $out"
+[ -z "$out" ] || fail "systemd-analyze verify reports (MPS): $out"
+rm -r "$U/normd@1.service.d"
+check "normd-mps@.service and normd@.service with docs/MPS.md's drop-in verify cleanly; normd does not require MPS"
 
 R="$T/sysroot"
 mkdir -p "$R/etc"
