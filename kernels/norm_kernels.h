@@ -286,6 +286,60 @@ int nk_cuda_norm(const struct nk_norm_args *args, const struct nk_device_info *d
 /* The last CUDA error string seen by a launcher on this thread. */
 const char *nk_cuda_last_error(void);
 
+/* ---- output check on the device (normstress's enqueue mode) ------------- */
+
+#define NK_CHECK_MAX_OUTPUTS 3 /* outputs of one job: y/mean/rstd or dx/dgamma/dbeta */
+#define NK_CHECK_MAX_BLOCKS 264 /* blocks of one check (its per-block partials) */
+
+/*
+ * One output of a job and the values it must hold: the reference computed
+ * on the host (fp64, rounded to the output's dtype as the CPU oracle stores
+ * it) and widened to fp32, which is exact. The output passes when no
+ * element is NaN where the reference is not (or the reverse) and
+ * ||out - expect|| < rtol * sqrt(ref_norm2) over the non-NaN elements: a
+ * relative L2 tolerance, the rule of client/tools/jobkit.c, whose
+ * ref_norm2 is the squared norm of the reference, or of the terms the
+ * output sums when cancellation makes that larger.
+ */
+struct nk_check_output {
+	const void *out;      /* device: n elements of dtype */
+	const float *expect;  /* device: n fp32 values */
+	int64_t n;
+	enum nk_dtype dtype;
+	float rtol;           /* relative tolerance, > 0 */
+	double ref_norm2;     /* squared norm the error is judged against, > 0 */
+};
+
+/* Device counters the checks add to; zeroed once, shared by any number of streams. */
+struct nk_check_counters {
+	unsigned long long checks;     /* jobs checked (each check adds one when it ends) */
+	unsigned long long mismatched; /* of them, with an output out of tolerance */
+};
+
+/*
+ * Device scratch of one stream's checks: per-block partial sums and the
+ * count of blocks done, which the last block resets. Zeroed once; the
+ * checks that share one must be ordered (the same stream).
+ */
+struct nk_check_scratch {
+	unsigned int blocks_done;
+	unsigned int reserved;
+	double partial[NK_CHECK_MAX_BLOCKS][NK_CHECK_MAX_OUTPUTS];
+};
+
+/*
+ * Enqueues on `stream` a check of `count` (1..NK_CHECK_MAX_OUTPUTS) outputs
+ * of one job: adds 1 to counters->checks, and 1 to counters->mismatched if
+ * any output fails, once the whole check has run (deterministic sums: block
+ * partials added in block order, no float atomics). Never synchronizes.
+ * NK_EINVAL for a NULL pointer, a count out of range, an unknown dtype or
+ * a tolerance that is not positive; NK_EDEVICE when the launch fails
+ * (nk_cuda_last_error() says why). Thread-safe.
+ */
+int nk_cuda_check_outputs(const struct nk_check_output *outputs, int count,
+			  struct nk_check_counters *counters, struct nk_check_scratch *scratch,
+			  void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,7 +4,7 @@
  *   normstress --socket PATH --procs N --threads T (--jobs J | --duration S)
  *              [--ops ln_fwd,ln_bwd,rms_fwd,rms_bwd] [--dtypes f32,f16,bf16]
  *              [--rows LIST|MIN-MAX] [--cols LIST|MIN-MAX] [--inflight K]
- *              [--mode sync|event] [--verify FRACTION] [--seed S] [--json FILE]
+ *              [--mode sync|event|enqueue] [--verify FRACTION] [--seed S] [--json FILE]
  *              [--kill-rate R] [--bad-rate R] [--timeout MS] [--kit-reuse N]
  *
  * N client processes (fork) run T threads each; every thread has its own
@@ -37,7 +37,7 @@
  * is unreachable); 2 for a bad command line or a mode the daemon cannot run.
  *
  * --mode event (ordering with CUDA IPC events) and CUDA regions belong to the
- * CUDA backend; on the CPU backend only --mode sync runs. The kit_*()
+ * CUDA backend; on the CPU backend --mode sync and enqueue run. The kit_*()
  * functions are the one place that knows where a kit's memory lives.
  *
  * On the CUDA backend every in-flight slot of a thread has its own stream.
@@ -46,7 +46,15 @@
  * done when its reply comes. --mode event uploads on the stream and calls
  * nc_job_run_event on it, which returns once the daemon has queued the job
  * behind the upload; a job is done when an event recorded on the stream
- * after that call has completed, as this thread observes it.
+ * after that call has completed, as this thread observes it. --mode enqueue
+ * calls nc_job_enqueue on the stream and, for a verified job, queues a
+ * kernel behind it that compares the outputs with the kit's reference on
+ * the GPU (uploaded once per kit) and counts mismatches in device memory,
+ * read back every CHECK_READ_NS; a job is done when an event recorded after
+ * them has completed. On the CPU backend --mode enqueue uses each slot's
+ * address as its stream key, waits with nc_stream_wait and checks on the
+ * host. In the enqueue mode invalid requests are only of the kinds the
+ * library refuses itself, whose return value is their answer.
  */
 #include <cuda_runtime_api.h>
 #include <errno.h>
@@ -68,6 +76,7 @@
 #include <unistd.h>
 
 #include "client/tools/jobkit.h"
+#include "kernels/norm_kernels.h"
 #include "normclient.h"
 
 #define DEFAULT_SOCKET "/run/normd/0.sock"
@@ -80,13 +89,17 @@
 #define ROLES (JK_MAIN_GRAD + 1)  /* jobkit's tensor roles */
 #define PROGRESS_NS 500000000ull  /* progress line refresh */
 #define TICK_NS 10000000ull       /* the parent's polling period */
+#define ENQUEUE_MAX_STREAMS 64    /* streams one connection may enqueue on (normclient.h) */
+#define CHECK_READ_NS 100000000ull /* enqueue mode, CUDA: GPU check counters read period */
 
 _Static_assert(ATOMIC_LONG_LOCK_FREE == 2 && ATOMIC_BOOL_LOCK_FREE == 2,
 	       "counters shared between processes must be lock-free atomics");
 
 /* ---- options ------------------------------------------------------------------ */
 
-enum stress_mode { MODE_SYNC, MODE_EVENT };
+enum stress_mode { MODE_SYNC, MODE_EVENT, MODE_ENQUEUE };
+
+static const char *const mode_names[] = {"sync", "event", "enqueue"};
 
 /* A set of sizes: an explicit list, or a range drawn log-uniformly. */
 struct size_choice {
@@ -139,8 +152,9 @@ static const char usage_text[] =
 	"usage: normstress [--socket PATH] [--procs N] [--threads T]\n"
 	"                  (--jobs J | --duration S) [--ops LIST] [--dtypes LIST]\n"
 	"                  [--rows LIST|MIN-MAX] [--cols LIST|MIN-MAX] [--inflight K]\n"
-	"                  [--mode sync|event] [--verify FRACTION] [--seed S] [--json FILE]\n"
-	"                  [--kill-rate R] [--bad-rate R] [--timeout MS] [--kit-reuse N]\n"
+	"                  [--mode sync|event|enqueue] [--verify FRACTION] [--seed S]\n"
+	"                  [--json FILE] [--kill-rate R] [--bad-rate R] [--timeout MS]\n"
+	"                  [--kit-reuse N]\n"
 	"\n"
 	"  --socket PATH      the daemon's socket ($NORMD_SOCKET, else " DEFAULT_SOCKET ")\n"
 	"  --procs N          client processes (1)\n"
@@ -154,7 +168,8 @@ static const char usage_text[] =
 	"  --rows, --cols     sizes: a list (1,7,256) or a range drawn log-uniformly\n"
 	"                     (rows 1-256, cols 1-4096)\n"
 	"  --inflight K       requests in flight per thread (4)\n"
-	"  --mode sync|event  completion mode; event needs the CUDA backend (sync)\n"
+	"  --mode MODE        completion mode (sync): sync, event (CUDA backend only)\n"
+	"                     or enqueue (nc_job_enqueue; norm ops, --inflight <= 64)\n"
 	"  --verify FRACTION  fraction of results checked against the float64\n"
 	"                     reference (0.01)\n"
 	"  --seed S           seed of every random choice (1)\n"
@@ -313,8 +328,11 @@ static bool parse_one(struct stress_opts *o, int opt, const char *arg)
 		o->inflight = (unsigned)u;
 		break;
 	case 'm':
-		ok = !strcmp(arg, "sync") || !strcmp(arg, "event");
-		o->mode = !strcmp(arg, "event") ? MODE_EVENT : MODE_SYNC;
+		ok = false;
+		for (unsigned m = 0; m < sizeof(mode_names) / sizeof(mode_names[0]) && !ok; m++) {
+			ok = strcmp(arg, mode_names[m]) == 0;
+			o->mode = ok ? (enum stress_mode)m : o->mode;
+		}
 		break;
 	case 'v':
 		ok = parse_double(arg, 0, 1, &o->verify);
@@ -341,6 +359,29 @@ static bool parse_one(struct stress_opts *o, int opt, const char *arg)
 		break;
 	}
 	return ok;
+}
+
+/*
+ * The enqueue mode's limits: nc_job_enqueue runs LayerNorm and RMSNorm only,
+ * and each in-flight slot is a stream of its own, up to the library's 64
+ * per connection. Returns 0, or 2 after saying what is wrong.
+ */
+static int enqueue_options_check(const struct stress_opts *o)
+{
+	for (unsigned i = 0; i < o->n_ops; i++) {
+		if (o->ops[i] == NC_WGRAD_ACCUM) {
+			fprintf(stderr, "normstress: --mode enqueue runs the norm ops only "
+					"(nc_job_enqueue refuses wgrad)\n");
+			return 2;
+		}
+	}
+	if (o->inflight > ENQUEUE_MAX_STREAMS) {
+		fprintf(stderr,
+			"normstress: --mode enqueue takes --inflight up to %d (a stream each)\n",
+			ENQUEUE_MAX_STREAMS);
+		return 2;
+	}
+	return 0;
 }
 
 /* Returns 0 to run, 1 after --help, 2 for a usage error (already explained). */
@@ -375,7 +416,7 @@ static int parse_options(int argc, char **argv, struct stress_opts *o)
 		fprintf(stderr, "normstress: --procs x --threads must be at most %d\n", MAX_SLOTS);
 		return 2;
 	}
-	return 0;
+	return o->mode == MODE_ENQUEUE ? enqueue_options_check(o) : 0;
 }
 
 /* ---- time and random numbers ---------------------------------------------------- */
@@ -540,6 +581,10 @@ struct kit {
 	bool busy;      /* a request naming its memory is in flight */
 	unsigned uses;  /* jobs submitted on it since it was created */
 	uint64_t bytes; /* bytes a job on it reads and writes */
+	/* Enqueue mode on the CUDA backend, made for the kit's first verified job: */
+	float *expect;  /* device: the reference outputs, fp32 */
+	struct nk_check_output check[NK_CHECK_MAX_OUTPUTS]; /* what the GPU check compares */
+	int n_check;
 };
 
 static bool op_is_backward(int op)
@@ -600,6 +645,8 @@ static int kit_create(nc_conn *conn, const struct stress_opts *o, uint64_t *rng,
 /* Frees the kit's region; accepts a kit that was never created. */
 static void kit_destroy(struct kit *k)
 {
+	if (k->expect)
+		cudaFree(k->expect);
 	jobkit_destroy(&k->jk);
 	memset(k, 0, sizeof(*k));
 }
@@ -665,6 +712,207 @@ static void kit_describe(const struct kit *k, char *buf, size_t len)
 		 s->memory_efficient ? " mem_eff" : "", s->accumulate ? " acc" : "");
 }
 
+/* ---- a kit's reference outputs on the GPU (enqueue mode, CUDA backend) ---------------- */
+
+/*
+ * The enqueue mode checks a verified job on the GPU, in stream order after
+ * it (kernels/norm_cuda_check.cu), against the reference outputs computed
+ * here once per kit and uploaded as fp32. The rule is jobkit_check()'s: a
+ * relative L2 tolerance (1e-5 for fp32 outputs, 1e-2 for 16-bit ones)
+ * against the reference's norm, or against the norm of the terms an output
+ * sums when cancellation makes that larger (dx, dgamma, dbeta, LayerNorm's
+ * mean). jobkit keeps its reference and those norms to itself, so the few
+ * lines that compute them are repeated here from jobkit.c.
+ */
+
+static enum nk_dtype nk_dtype_from(enum nc_dtype dtype)
+{
+	return dtype == NC_F16 ? NK_F16 : dtype == NC_BF16 ? NK_BF16 : NK_F32;
+}
+
+/* The storage dtype of a tensor role (jobkit's layout: statistics fp32, weights weight_dtype). */
+static enum nk_dtype kit_role_dtype(const struct jobkit_spec *s, int role)
+{
+	if (role == JK_MEAN || role == JK_RSTD)
+		return NK_F32;
+	if (role == JK_GAMMA || role == JK_BETA || role == JK_DGAMMA || role == JK_DBETA)
+		return nk_dtype_from(s->weight_dtype ? s->weight_dtype : s->dtype);
+	return nk_dtype_from(s->dtype);
+}
+
+static double kit_load(const struct kit *k, int role, uint64_t i)
+{
+	return nk_load(kit_role_dtype(&k->jk.spec, role), k->jk.ptr[role], i);
+}
+
+/* The CPU reference's arguments for the kit's job over the tensors `ptr`. */
+static void kit_ref_args(const struct kit *k, void *const ptr[ROLES], struct nk_norm_args *a)
+{
+	const struct jobkit_spec *s = &k->jk.spec;
+	static const enum nk_op nk_ops[] = {
+		[NC_LAYERNORM_FWD] = NK_LAYERNORM_FWD, [NC_LAYERNORM_BWD] = NK_LAYERNORM_BWD,
+		[NC_RMSNORM_FWD] = NK_RMSNORM_FWD,     [NC_RMSNORM_BWD] = NK_RMSNORM_BWD,
+	};
+	memset(a, 0, sizeof(*a));
+	a->op = nk_ops[s->op]; /* the enqueue mode runs norm ops only */
+	a->rows = (int64_t)s->rows;
+	a->cols = (int64_t)s->cols;
+	a->eps = k->jk.job.eps;
+	a->dtype = nk_dtype_from(s->dtype);
+	a->weight_dtype = kit_role_dtype(s, JK_GAMMA);
+	a->flags = (s->memory_efficient ? NK_MEMORY_EFFICIENT : 0u) |
+		   (s->accumulate ? NK_ACCUMULATE : 0u);
+	a->x = ptr[JK_X];
+	a->y = ptr[JK_Y];
+	a->mean = ptr[JK_MEAN];
+	a->rstd = ptr[JK_RSTD];
+	a->gamma = ptr[JK_GAMMA];
+	a->beta = ptr[JK_BETA];
+	a->dy = ptr[JK_DY];
+	a->dx = ptr[JK_DX];
+	a->dgamma = ptr[JK_DGAMMA];
+	a->dbeta = ptr[JK_DBETA];
+}
+
+/* x_hat of element (r, c), as the backward recomputes it. */
+static double kit_x_hat(const struct kit *k, uint64_t r, uint64_t c)
+{
+	const struct jobkit *jk = &k->jk;
+	double in = kit_load(k, JK_X, r * jk->spec.cols + c);
+	if (jk->spec.memory_efficient) {
+		double g = jk->ptr[JK_GAMMA] ? kit_load(k, JK_GAMMA, c) : 1.0;
+		double b = jk->ptr[JK_BETA] ? kit_load(k, JK_BETA, c) : 0.0;
+		double eps = jk->job.eps;
+		if (jk->ptr[JK_GAMMA] && fabs(g) < eps)
+			g = g < 0 ? -eps : eps;
+		return (in - b) / g;
+	}
+	double mean = jk->ptr[JK_MEAN] ? kit_load(k, JK_MEAN, r) : 0.0;
+	return (in - mean) * kit_load(k, JK_RSTD, r);
+}
+
+/*
+ * The squared norm of the terms an output sums (0: it is judged against
+ * itself): rstd * dy * gamma for dx, the column sums of |dy * x_hat| and
+ * |dy| for dgamma and dbeta, the row means of |x| for LayerNorm's mean.
+ */
+static double kit_terms_norm2(const struct kit *k, int role)
+{
+	const struct jobkit_spec *s = &k->jk.spec;
+	bool by_rows = role == JK_DX || role == JK_MEAN;
+	if (!by_rows && role != JK_DGAMMA && role != JK_DBETA)
+		return 0;
+	uint64_t outer = by_rows ? s->rows : s->cols, inner = by_rows ? s->cols : s->rows;
+	double sum = 0;
+	for (uint64_t i = 0; i < outer; i++) {
+		double part = 0;
+		for (uint64_t j = 0; j < inner; j++) {
+			uint64_t r = by_rows ? i : j, c = by_rows ? j : i, at = r * s->cols + c;
+			double g = k->jk.ptr[JK_GAMMA] ? kit_load(k, JK_GAMMA, c) : 1.0;
+			if (role == JK_DX) {
+				double t = kit_load(k, JK_RSTD, r) * g * kit_load(k, JK_DY, at);
+				sum += t * t;
+			} else if (role == JK_MEAN) {
+				part += fabs(kit_load(k, JK_X, at));
+			} else {
+				double dy = kit_load(k, JK_DY, at);
+				part += fabs(role == JK_DBETA ? dy : dy * kit_x_hat(k, r, c));
+			}
+		}
+		part /= role == JK_MEAN ? (double)inner : 1.0;
+		sum += part * part;
+	}
+	return sum;
+}
+
+/* Widens one reference output to fp32 at `host` and describes its check. */
+static void kit_expect_output(struct kit *k, int role, const void *ref, float *host,
+			      struct nk_check_output *check)
+{
+	const struct jobkit *jk = &k->jk;
+	enum nk_dtype dtype = kit_role_dtype(&jk->spec, role);
+	size_t n = jk->bytes[role] / nk_dtype_size(dtype);
+	double ref2 = 0;
+	for (size_t i = 0; i < n; i++) {
+		double v = nk_load(dtype, ref, i);
+		host[i] = (float)v;
+		ref2 += isnan(v) ? 0.0 : v * v;
+	}
+	double norm2 = ref2 > 0 ? ref2 : 1.0, terms2 = kit_terms_norm2(k, role);
+	if (terms2 > ref2 && terms2 > norm2)
+		norm2 = terms2;
+	size_t offset = (size_t)((const char *)jk->ptr[role] - (const char *)jk->staging);
+	*check = (struct nk_check_output){
+		.out = (const char *)jk->device_base + offset,
+		.n = (int64_t)n,
+		.dtype = dtype,
+		.rtol = dtype == NK_F32 ? 1e-5f : 1e-2f,
+		.ref_norm2 = norm2,
+	};
+}
+
+/*
+ * Computes the kit's reference outputs (from the initial values of the
+ * accumulated ones, as kit_rearm() resets them before a verified job),
+ * uploads them on `stream`, ahead of the check that reads them there, and
+ * fills k->check. Returns 0 or a negative NC_E* code.
+ */
+static int kit_expect(struct kit *k, cudaStream_t stream)
+{
+	struct jobkit *jk = &k->jk;
+	void *ptr[ROLES], *ref[ROLES] = {0};
+	size_t at[ROLES] = {0}, floats = 0;
+	float *host = NULL;
+	int rc = NC_ENOMEM;
+	memcpy(ptr, jk->ptr, sizeof(ptr));
+	for (int role = 0; role < ROLES; role++) {
+		if (!jk->ptr[role] || !role_is_output(jk->spec.op, role))
+			continue;
+		if (!(ref[role] = malloc(jk->bytes[role])))
+			goto out_free;
+		if (jk->initial[role])
+			memcpy(ref[role], jk->initial[role], jk->bytes[role]);
+		else
+			memset(ref[role], 0xff, jk->bytes[role]);
+		ptr[role] = ref[role];
+		at[role] = floats;
+		floats += jk->bytes[role] / nk_dtype_size(kit_role_dtype(&jk->spec, role));
+	}
+	if (!(host = malloc(floats * sizeof(float))))
+		goto out_free;
+	struct nk_norm_args a;
+	struct nk_cpu_opts opts = {.precision = NK_CPU_REFERENCE, .threads = 2};
+	kit_ref_args(k, ptr, &a);
+	rc = nk_cpu_norm(&a, &opts, NULL) == NK_OK ? 0 : NC_EINTERNAL;
+	k->n_check = 0;
+	for (int role = 0; rc == 0 && role < ROLES; role++) {
+		if (ref[role])
+			kit_expect_output(k, role, ref[role], host + at[role],
+					  &k->check[k->n_check++]);
+	}
+	/* A copy from pageable memory has taken its source once it returns. */
+	size_t bytes = floats * sizeof(float);
+	if (rc == 0 &&
+	    (cudaMalloc((void **)&k->expect, bytes) != cudaSuccess ||
+	     cudaMemcpyAsync(k->expect, host, bytes, cudaMemcpyHostToDevice, stream) != cudaSuccess)) {
+		cudaGetLastError();
+		rc = NC_EDEVICE_ERROR;
+	}
+	for (int i = 0, role = 0; rc == 0 && role < ROLES; role++) {
+		if (ref[role])
+			k->check[i++].expect = k->expect + at[role];
+	}
+out_free:
+	if (rc && k->expect) {
+		cudaFree(k->expect);
+		k->expect = NULL;
+	}
+	free(host);
+	for (int role = 0; role < ROLES; role++)
+		free(ref[role]);
+	return rc;
+}
+
 /* ---- invalid requests ---------------------------------------------------------------- */
 
 enum bad_kind {
@@ -686,27 +934,50 @@ enum bad_kind {
 	BAD_KINDS
 };
 
-/* What each kind of invalid request is and the status it must get. */
+/*
+ * What each kind of invalid request is and the status it must get. In the
+ * enqueue mode only the kinds nc_job_enqueue refuses itself are sent: their
+ * status is its return value. Beta without gamma passes the library's check
+ * and would be refused by the daemon later, an asynchronous error that
+ * nc_stream_wait() or nc_conn_check() may report on any job of the
+ * connection, so that mode never sends it.
+ */
 static const struct {
 	const char *name;
 	int expect;
+	bool enqueue_refuses; /* nc_job_enqueue returns `expect` without queueing */
 } bad_cases[BAD_KINDS] = {
-	[BAD_OP] = {"unknown op", NC_EINVALID_ARGUMENT},
-	[BAD_DTYPE] = {"unknown dtype", NC_EINVALID_ARGUMENT},
-	[BAD_WEIGHT_DTYPE] = {"weight dtype neither dtype nor f32", NC_EUNSUPPORTED},
-	[BAD_ROWS] = {"rows = 0", NC_EINVALID_ARGUMENT},
-	[BAD_COLS] = {"cols = 0", NC_EINVALID_ARGUMENT},
-	[BAD_COLS_HUGE] = {"cols = 2^40", NC_EOUT_OF_RANGE},
-	[BAD_SHAPE_OVERFLOW] = {"rows * cols overflows", NC_EOUT_OF_RANGE},
-	[BAD_EPS] = {"eps <= 0, infinite or NaN", NC_EINVALID_ARGUMENT},
-	[BAD_REGION] = {"unregistered region", NC_ENOT_FOUND},
-	[BAD_OFFSET] = {"tensor runs past its region", NC_EOUT_OF_RANGE},
-	[BAD_OFFSET_OVERFLOW] = {"offset + size overflows", NC_EOUT_OF_RANGE},
-	[BAD_MISSING_TENSOR] = {"x absent", NC_EINVALID_ARGUMENT},
-	[BAD_STRAY_TENSOR] = {"tensor the op does not use", NC_EINVALID_ARGUMENT},
-	[BAD_FORWARD_FLAG] = {"backward flag on a forward op", NC_EINVALID_ARGUMENT},
-	[BAD_BETA_ALONE] = {"beta without gamma", NC_EINVALID_ARGUMENT},
+	[BAD_OP] = {"unknown op", NC_EINVALID_ARGUMENT, true},
+	[BAD_DTYPE] = {"unknown dtype", NC_EINVALID_ARGUMENT, true},
+	[BAD_WEIGHT_DTYPE] = {"weight dtype neither dtype nor f32", NC_EUNSUPPORTED, true},
+	[BAD_ROWS] = {"rows = 0", NC_EINVALID_ARGUMENT, true},
+	[BAD_COLS] = {"cols = 0", NC_EINVALID_ARGUMENT, true},
+	[BAD_COLS_HUGE] = {"cols = 2^40", NC_EOUT_OF_RANGE, true},
+	[BAD_SHAPE_OVERFLOW] = {"rows * cols overflows", NC_EOUT_OF_RANGE, true},
+	[BAD_EPS] = {"eps <= 0, infinite or NaN", NC_EINVALID_ARGUMENT, true},
+	[BAD_REGION] = {"unregistered region", NC_ENOT_FOUND, true},
+	[BAD_OFFSET] = {"tensor runs past its region", NC_EOUT_OF_RANGE, true},
+	[BAD_OFFSET_OVERFLOW] = {"offset + size overflows", NC_EOUT_OF_RANGE, true},
+	[BAD_MISSING_TENSOR] = {"x absent", NC_EINVALID_ARGUMENT, true},
+	[BAD_STRAY_TENSOR] = {"tensor the op does not use", NC_EINVALID_ARGUMENT, true},
+	[BAD_FORWARD_FLAG] = {"backward flag on a forward op", NC_EINVALID_ARGUMENT, true},
+	[BAD_BETA_ALONE] = {"beta without gamma", NC_EINVALID_ARGUMENT, false},
 };
+
+/*
+ * Whether `rc` is the status an invalid request of `kind` must get. For a
+ * shape whose element count overflows nc_job_enqueue answers
+ * INVALID_ARGUMENT where the daemon answers OUT_OF_RANGE (its check is
+ * rows * cols <= INT64_MAX / 8 as an argument error), so in the enqueue
+ * mode the two overflow kinds take either.
+ */
+static bool bad_status_ok(enum stress_mode mode, int kind, int rc)
+{
+	if (rc == bad_cases[kind].expect)
+		return true;
+	return mode == MODE_ENQUEUE && rc == NC_EINVALID_ARGUMENT &&
+	       (kind == BAD_COLS_HUGE || kind == BAD_SHAPE_OVERFLOW);
+}
 
 static struct nc_tensor *job_tensor(struct nc_job *job, int role)
 {
@@ -807,8 +1078,9 @@ static bool bad_apply(const struct kit *k, uint64_t *rng, int kind, struct nc_jo
 /* One request in flight. */
 struct flight {
 	bool active;
-	cudaStream_t stream; /* CUDA backend: this slot's uploads (and, event mode, jobs) */
-	cudaEvent_t done;    /* event mode: recorded on `stream` after the job */
+	cudaStream_t stream; /* CUDA backend: this slot's uploads (and, event and enqueue, jobs) */
+	cudaEvent_t done;    /* event and enqueue modes: recorded on `stream` after the job */
+	struct nk_check_scratch *scratch; /* enqueue mode, CUDA: this stream's GPU checks */
 	uint64_t request_id;
 	unsigned kit;   /* index into the worker's kits */
 	int bad_kind;   /* enum bad_kind, or -1 for a valid job */
@@ -830,6 +1102,12 @@ struct worker {
 	unsigned details;        /* failure lines printed so far */
 	bool broken;             /* the connection cannot be trusted any more */
 	bool running;            /* its thread was started */
+	/* Enqueue mode on the CUDA backend, with --verify: */
+	struct nk_check_counters *checks; /* device: what the GPU checks found */
+	struct nk_check_scratch *scratch; /* device: one per in-flight slot */
+	cudaStream_t check_read;          /* reads `checks` back */
+	uint64_t mismatches_read;         /* GPU mismatches already counted */
+	uint64_t checks_read_ns;          /* when `checks` was read last */
 };
 
 /* Prints one failure line (the first few per thread). */
@@ -902,7 +1180,8 @@ static void worker_prepare(struct worker *w, struct kit *k, struct flight *f, st
 	f->verify = false;
 	if (w->opt->bad_rate > 0 && rng_unit(&w->rng) < w->opt->bad_rate) {
 		int kind = (int)rng_below(&w->rng, BAD_KINDS);
-		if (!bad_apply(k, &w->rng, kind, job)) {
+		bool sendable = w->opt->mode != MODE_ENQUEUE || bad_cases[kind].enqueue_refuses;
+		if (!sendable || !bad_apply(k, &w->rng, kind, job)) {
 			kind = BAD_ROWS;
 			bad_apply(k, &w->rng, kind, job);
 		}
@@ -910,6 +1189,7 @@ static void worker_prepare(struct worker *w, struct kit *k, struct flight *f, st
 		return;
 	}
 	f->verify = w->opt->verify > 0 && rng_unit(&w->rng) < w->opt->verify;
+	/* The event and enqueue modes order the daemon's job after the copies on the GPU. */
 	kit_rearm(k, f->verify, f->stream, w->opt->mode == MODE_SYNC);
 }
 
@@ -922,6 +1202,97 @@ static bool wait_failed(int rc)
 static void worker_complete(struct worker *w, struct flight *f, int rc,
 			    const struct nc_job_result *res);
 
+/* The request of `f` (on kit f->kit) was sent: it is in flight until worker_complete(). */
+static void worker_flight_begin(struct worker *w, struct flight *f)
+{
+	struct kit *k = &w->kits[f->kit];
+	f->active = k->busy = true;
+	k->uses++;
+	w->in_flight++;
+	slot_add(w->slot, C_IN_FLIGHT, 1);
+	if (f->bad_kind >= 0)
+		slot_add(w->slot, C_BAD_SENT, 1);
+}
+
+/* Records `f->done` on the slot's stream after what was queued there for the job. */
+static void worker_record_done(struct worker *w, struct flight *f)
+{
+	if (cudaEventRecord(f->done, f->stream) != cudaSuccess) {
+		worker_unexpected(w, NC_EDEVICE_ERROR);
+		worker_say(w, "cudaEventRecord after a job: %s",
+			   cudaGetErrorString(cudaGetLastError()));
+		w->broken = true;
+	}
+}
+
+/* Enqueue mode, a verified job on the CUDA backend: the kit's reference is on the GPU. */
+static bool worker_check_ready(struct worker *w, struct flight *f)
+{
+	struct kit *k = &w->kits[f->kit];
+	int rc = k->expect ? 0 : kit_expect(k, f->stream);
+	if (rc == 0)
+		return true;
+	worker_unexpected(w, rc);
+	worker_say(w, "computing and uploading a kit's reference: %s", nc_status_name(rc));
+	w->broken = true;
+	return false;
+}
+
+/* Enqueue mode, CUDA backend: the verified job's outputs checked on the GPU, after it. */
+static void worker_check_launch(struct worker *w, struct flight *f)
+{
+	const struct kit *k = &w->kits[f->kit];
+	if (nk_cuda_check_outputs(k->check, k->n_check, w->checks, f->scratch, f->stream) == NK_OK)
+		return;
+	worker_unexpected(w, NC_EDEVICE_ERROR);
+	worker_say(w, "launching the output check: %s", nk_cuda_last_error());
+	w->broken = true;
+}
+
+/*
+ * Enqueue mode: the job goes on the slot's stream (CUDA backend) or under
+ * the slot's own key, its address (CPU backend); the call returns once the
+ * request is sent. Invalid requests are of the kinds the library refuses
+ * itself, so their answer is the return value. On the CUDA backend a
+ * verified job's check follows it on the stream, then the event that marks
+ * the slot free: no CPU waits for the job.
+ */
+static void worker_enqueue(struct worker *w, struct flight *f, const struct nc_job *job)
+{
+	bool device = w->opt->on_device;
+	if (device && f->verify && !worker_check_ready(w, f))
+		return;
+	int rc = nc_job_enqueue(w->conn, job, device ? (void *)f->stream : (void *)f);
+	if (f->bad_kind >= 0 && rc != NC_OK) {
+		struct nc_job_result res = {.status = rc};
+		snprintf(res.message, sizeof(res.message), "%s", nc_last_error());
+		worker_flight_begin(w, f);
+		worker_complete(w, f, rc, &res);
+		return;
+	}
+	if (f->bad_kind >= 0) {
+		/* Queued: its refusal would come back later, on whichever call looks first. */
+		slot_add(w->slot, C_BAD_SENT, 1);
+		slot_add(w->slot, C_UNEXPECTED, 1);
+		worker_say(w, "invalid request (%s) was enqueued, not refused",
+			   bad_cases[f->bad_kind].name);
+		w->broken = true;
+		return;
+	}
+	if (rc != NC_OK) {
+		/* Nothing was queued; an earlier job's asynchronous error, or a lost daemon. */
+		worker_unexpected(w, rc);
+		worker_say(w, "enqueue: %s: %s", nc_status_name(rc), nc_last_error());
+		w->broken = rc == NC_EDISCONNECTED || rc == NC_EIO || rc == NC_ENOMEM;
+		return;
+	}
+	worker_flight_begin(w, f);
+	if (device && f->verify)
+		worker_check_launch(w, f);
+	if (device && !w->broken)
+		worker_record_done(w, f);
+}
+
 static void worker_submit(struct worker *w, struct flight *f)
 {
 	unsigned index = worker_idle_kit(w);
@@ -932,6 +1303,8 @@ static void worker_submit(struct worker *w, struct flight *f)
 	worker_prepare(w, k, f, &job);
 	f->kit = index;
 	f->t0_ns = now_ns();
+	if (w->opt->mode == MODE_ENQUEUE)
+		return worker_enqueue(w, f, &job);
 	/* The event mode's call returns once the job is queued (or refused). */
 	bool events = w->opt->mode == MODE_EVENT;
 	struct nc_job_result res;
@@ -943,12 +1316,7 @@ static void worker_submit(struct worker *w, struct flight *f)
 		w->broken = true;
 		return;
 	}
-	f->active = k->busy = true;
-	k->uses++;
-	w->in_flight++;
-	slot_add(w->slot, C_IN_FLIGHT, 1);
-	if (f->bad_kind >= 0)
-		slot_add(w->slot, C_BAD_SENT, 1);
+	worker_flight_begin(w, f);
 	if (!events)
 		return;
 	if (rc != NC_OK) {
@@ -957,12 +1325,7 @@ static void worker_submit(struct worker *w, struct flight *f)
 		w->broken = rc == NC_EDEVICE_ERROR;
 		return;
 	}
-	if (cudaEventRecord(f->done, f->stream) != cudaSuccess) {
-		worker_unexpected(w, NC_EDEVICE_ERROR);
-		worker_say(w, "cudaEventRecord after a job: %s",
-			   cudaGetErrorString(cudaGetLastError()));
-		w->broken = true;
-	}
+	worker_record_done(w, f);
 }
 
 static void worker_verify(struct worker *w, const struct kit *k)
@@ -983,7 +1346,7 @@ static void worker_bad_answered(struct worker *w, const struct flight *f, int rc
 {
 	int expect = bad_cases[f->bad_kind].expect;
 	slot_status(w->slot->bad_status, rc);
-	if (rc == expect) {
+	if (bad_status_ok(w->opt->mode, f->bad_kind, rc)) {
 		slot_add(w->slot, C_BAD_EXPECTED, 1);
 		return;
 	}
@@ -1018,7 +1381,11 @@ static void worker_complete(struct worker *w, struct flight *f, int rc,
 	slot_add(w->slot, C_JOBS_OK, 1);
 	slot_add(w->slot, C_BYTES, k->bytes);
 	slot_latency(w->slot, ns);
-	if (f->verify)
+	if (!f->verify)
+		return;
+	if (w->checks)
+		slot_add(w->slot, C_VERIFIED, 1); /* checked on the GPU; worker_read_checks() */
+	else
 		worker_verify(w, k);
 }
 
@@ -1085,10 +1452,82 @@ static void worker_collect_events(struct worker *w)
 	}
 }
 
+/*
+ * Enqueue mode, CUDA backend: adds the mismatches the GPU checks found
+ * since the last read to the counters, at most every CHECK_READ_NS unless
+ * `now` (a small copy and a wait for it, not for any job).
+ */
+static void worker_read_checks(struct worker *w, bool now)
+{
+	struct nk_check_counters seen;
+	uint64_t t = now_ns();
+	if (!w->checks || (!now && t < w->checks_read_ns + CHECK_READ_NS))
+		return;
+	w->checks_read_ns = t;
+	if (cudaMemcpyAsync(&seen, w->checks, sizeof(seen), cudaMemcpyDeviceToHost,
+			    w->check_read) != cudaSuccess ||
+	    cudaStreamSynchronize(w->check_read) != cudaSuccess) {
+		worker_unexpected(w, NC_EDEVICE_ERROR);
+		worker_say(w, "reading the GPU check counters: %s",
+			   cudaGetErrorString(cudaGetLastError()));
+		w->broken = true;
+		return;
+	}
+	if (seen.mismatched <= w->mismatches_read)
+		return;
+	uint64_t found = seen.mismatched - w->mismatches_read;
+	w->mismatches_read = seen.mismatched;
+	slot_add(w->slot, C_MISMATCHES, found);
+	worker_say(w, "MISMATCH: %llu more of the jobs checked on the GPU (%llu so far) were wrong",
+		   (unsigned long long)found, (unsigned long long)seen.checks);
+}
+
+/*
+ * Enqueue mode, CPU backend: waits for the oldest slot's key, then takes
+ * every other slot whose key is done. nc_stream_wait() returns once the
+ * daemon has also answered every job of the connection, so the first wait
+ * usually finds the whole window done. An error it returns may be any
+ * enqueued job's (the library keeps the first one for whichever call comes
+ * next), so it is counted against the job waited for.
+ */
+static void worker_wait_key(struct worker *w, struct flight *f, int timeout_ms)
+{
+	static const struct nc_job_result ok; /* status NC_OK, no message */
+	struct nc_job_result failed = {0};
+	int rc = nc_stream_wait(w->conn, f, timeout_ms);
+	if (rc == NC_ETIMEOUT && timeout_ms == 0)
+		return; /* not done yet */
+	if (rc == NC_ETIMEOUT || rc == NC_EDISCONNECTED || rc == NC_EIO) {
+		worker_unexpected(w, rc);
+		worker_say(w, "waiting for an enqueued job: %s: %s", nc_status_name(rc),
+			   nc_last_error());
+		w->broken = true;
+		return;
+	}
+	failed.status = rc;
+	if (rc)
+		snprintf(failed.message, sizeof(failed.message), "%s", nc_last_error());
+	worker_complete(w, f, rc, rc ? &failed : &ok);
+}
+
+static void worker_collect_keys(struct worker *w)
+{
+	worker_wait_key(w, worker_oldest(w), w->opt->timeout_ms);
+	for (unsigned i = 0; i < w->opt->inflight && !w->broken; i++) {
+		if (w->flights[i].active)
+			worker_wait_key(w, &w->flights[i], 0);
+	}
+}
+
 static void worker_collect(struct worker *w)
 {
-	if (w->opt->mode == MODE_EVENT)
-		return worker_collect_events(w);
+	if (w->opt->mode == MODE_ENQUEUE && !w->opt->on_device)
+		return worker_collect_keys(w);
+	if (w->opt->mode != MODE_SYNC) {
+		worker_collect_events(w);
+		worker_read_checks(w, false);
+		return;
+	}
 	struct flight *oldest = worker_oldest(w);
 	struct nc_job_result res;
 	int rc = nc_job_wait(w->conn, oldest->request_id, w->opt->timeout_ms, &res);
@@ -1140,16 +1579,63 @@ static void worker_run(struct worker *w)
 /* CUDA backend: a stream for each in-flight slot (and, event mode, its event). */
 static void worker_make_streams(struct worker *w)
 {
+	cudaSetDevice(w->opt->device); /* the kits' GPU, where the daemon runs their jobs */
 	for (unsigned i = 0; i < w->opt->inflight && !w->broken; i++) {
 		struct flight *f = &w->flights[i];
 		if (cudaStreamCreateWithFlags(&f->stream, cudaStreamNonBlocking) != cudaSuccess ||
-		    (w->opt->mode == MODE_EVENT &&
+		    (w->opt->mode != MODE_SYNC &&
 		     cudaEventCreateWithFlags(&f->done, cudaEventDisableTiming) != cudaSuccess)) {
 			worker_unexpected(w, NC_EDEVICE_ERROR);
 			worker_say(w, "creating a stream: %s", cudaGetErrorString(cudaGetLastError()));
 			w->broken = true;
 		}
 	}
+}
+
+/* Enqueue mode on the CUDA backend with --verify: the GPU checks' counters and scratch. */
+static void worker_make_checks(struct worker *w)
+{
+	size_t scratch = w->opt->inflight * sizeof(*w->scratch);
+	if (cudaMalloc((void **)&w->checks, sizeof(*w->checks)) != cudaSuccess ||
+	    cudaMalloc((void **)&w->scratch, scratch) != cudaSuccess ||
+	    cudaMemset(w->checks, 0, sizeof(*w->checks)) != cudaSuccess ||
+	    cudaMemset(w->scratch, 0, scratch) != cudaSuccess ||
+	    cudaStreamCreateWithFlags(&w->check_read, cudaStreamNonBlocking) != cudaSuccess ||
+	    cudaDeviceSynchronize() != cudaSuccess) {
+		worker_unexpected(w, NC_EDEVICE_ERROR);
+		worker_say(w, "allocating the GPU checks: %s",
+			   cudaGetErrorString(cudaGetLastError()));
+		w->broken = true;
+		return;
+	}
+	for (unsigned i = 0; i < w->opt->inflight; i++)
+		w->flights[i].scratch = &w->scratch[i];
+}
+
+/*
+ * Enqueue mode, at the end: the daemon has answered everything (an error
+ * of a job nobody waited for is reported here) and, on the CUDA backend,
+ * the last checks are read.
+ */
+static void worker_finish_enqueue(struct worker *w)
+{
+	int rc = nc_conn_check(w->conn, w->opt->timeout_ms);
+	if (rc != NC_OK) {
+		worker_unexpected(w, rc);
+		worker_say(w, "nc_conn_check at the end: %s: %s", nc_status_name(rc),
+			   nc_last_error());
+		w->broken = rc == NC_EDISCONNECTED || rc == NC_ETIMEOUT;
+	}
+	worker_read_checks(w, true);
+}
+
+/* Frees the GPU checks' memory and stream; accepts a worker that made none. */
+static void worker_free_checks(struct worker *w)
+{
+	if (w->check_read)
+		cudaStreamDestroy(w->check_read);
+	cudaFree(w->checks);
+	cudaFree(w->scratch);
 }
 
 static void *worker_main(void *arg)
@@ -1175,6 +1661,8 @@ static void *worker_main(void *arg)
 	}
 	if (!w->broken && o->on_device)
 		worker_make_streams(w);
+	if (!w->broken && o->on_device && o->mode == MODE_ENQUEUE && o->verify > 0)
+		worker_make_checks(w);
 	for (unsigned i = 0; i < w->n_kits && !w->broken; i++)
 		worker_new_kit(w, &w->kits[i]);
 	/* Set-up (CUDA contexts above all) is not load: wait for every thread. */
@@ -1183,6 +1671,8 @@ static void *worker_main(void *arg)
 		sleep_ns(1000000);
 	if (!w->broken)
 		worker_run(w);
+	if (!w->broken && o->mode == MODE_ENQUEUE)
+		worker_finish_enqueue(w);
 	/*
 	 * A broken connection (a reply that never came, a lost daemon) is left
 	 * as it is: the process exits right after, which releases everything.
@@ -1197,6 +1687,7 @@ static void *worker_main(void *arg)
 		if (w->flights[i].done)
 			cudaEventDestroy(w->flights[i].done);
 	}
+	worker_free_checks(w);
 	nc_close(w->conn);
 	free(w->kits);
 	free(w->flights);
@@ -1616,7 +2107,7 @@ static void report_text(const struct stress *st, const struct totals *t, double 
 	const struct stress_opts *o = &st->opt;
 	const uint64_t *n = t->count;
 	printf("normstress: %u processes x %u threads, %.1f s, %s backend, mode %s, seed %llu\n",
-	       o->procs, o->threads, elapsed, st->backend, o->mode == MODE_EVENT ? "event" : "sync",
+	       o->procs, o->threads, elapsed, st->backend, mode_names[o->mode],
 	       (unsigned long long)o->seed);
 	printf("jobs        %llu ok, %.1f jobs/s, %.1f MB/s\n", (unsigned long long)n[C_JOBS_OK],
 	       (double)n[C_JOBS_OK] / elapsed, (double)n[C_BYTES] / elapsed / 1e6);
@@ -1670,7 +2161,7 @@ static void json_body(FILE *f, const struct stress *st, const struct totals *t, 
 	fprintf(f, "{\"procs\":%u,\"threads\":%u,\"inflight\":%u,\"mode\":\"%s\","
 		   "\"backend\":\"%s\",\"seed\":%llu,\"elapsed_s\":%.3f,\"jobs_ok\":%llu,"
 		   "\"jobs_per_s\":%.1f,\"bytes\":%llu,\"bytes_per_s\":%.0f,",
-		o->procs, o->threads, o->inflight, o->mode == MODE_EVENT ? "event" : "sync",
+		o->procs, o->threads, o->inflight, mode_names[o->mode],
 		st->backend, (unsigned long long)o->seed, elapsed, (unsigned long long)n[C_JOBS_OK],
 		(double)n[C_JOBS_OK] / elapsed, (unsigned long long)n[C_BYTES],
 		(double)n[C_BYTES] / elapsed);
