@@ -706,13 +706,16 @@ static void launcher_run(struct cuda_launcher *l, struct job *job)
 					    nk_cuda_last_error());
 		}
 	}
-	if (job->status != NC_OK && job->bound) {
+	if (job->status != NC_OK && job->bound && job->device == es->device) {
 		struct job_output out[4];
 		unsigned n = job_outputs(job, out);
 		if (!waited && nk_cuda_stream_wait(ce->stream, es->ready, job->seq) != 0)
 			n = 0; /* poisoning before the caller's inputs are ready could race them */
-		for (unsigned i = 0; i < n; i++)
-			cudaMemsetAsync(out[i].ptr, 0xff, (size_t)out[i].bytes, ce->stream);
+		for (unsigned i = 0; i < n; i++) {
+			if (cudaMemsetAsync(out[i].ptr, 0xff, (size_t)out[i].bytes, ce->stream) !=
+			    cudaSuccess)
+				cudaGetLastError(); /* not sticky; the reply carries the job's error */
+		}
 	}
 	if (nk_cuda_stream_write(ce->stream, es->done, ce->retired, job->seq) != 0) {
 		cudaError_t err = cudaGetLastError();
@@ -849,16 +852,17 @@ static void cuda_stream_close(struct backend *backend, struct estream *es)
 static int cuda_submit(struct backend *backend, struct job *job)
 {
 	struct backend_cuda *cuda = (struct backend_cuda *)backend;
+	if (job->estream) {
+		/* Refused jobs too (their device may be unknown): they release the stream. */
+		struct cuda_estream *ce = job->estream->backend_state;
+		launcher_push(ce->launcher, job);
+		return NC_OK;
+	}
 	struct cuda_device *dev = cuda_find_device(cuda, job->device);
 	if (!dev) {
 		snprintf(job->message, sizeof(job->message),
 			 "the job's tensors are not in CUDA device memory");
 		return NC_EINVALID_ARGUMENT;
-	}
-	if (job->estream) {
-		struct cuda_estream *ce = job->estream->backend_state;
-		launcher_push(ce->launcher, job); /* refused jobs too: they release the stream */
-		return NC_OK;
 	}
 	if (atomic_load(&cuda->fatal)) {
 		snprintf(job->message, sizeof(job->message), "the device failed: %s",
