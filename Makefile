@@ -138,6 +138,13 @@ $(B)/bin/%: $(B)/obj/client/tools/%.o $(TOOL_COMMON_OBJS) $(B)/lib/libnormclient
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $< $(TOOL_COMMON_OBJS) $(CLIENT_TOOL_LIBS)
 
+# normstress is its engine (normstress.c) and its parts (client/tools/stress_*.c).
+STRESS_OBJS := $(patsubst %.c,$(B)/obj/%.o,$(wildcard client/tools/stress_*.c))
+$(B)/bin/normstress: $(B)/obj/client/tools/normstress.o $(STRESS_OBJS) $(TOOL_COMMON_OBJS) \
+		$(B)/lib/libnormclient.a $(B)/lib/libnormkernels.a
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $< $(STRESS_OBJS) $(TOOL_COMMON_OBJS) $(CLIENT_TOOL_LIBS)
+
 # ---- tests -------------------------------------------------------------------
 # Every tests/{unit,integration}/test_*.c is one program; the runner starts
 # each in its own process with a timeout (tests/run.sh).
