@@ -192,10 +192,14 @@ static int check_job(nc_conn *conn, const struct nc_job *job, int *device)
 				(int)job->dtype);
 	if (job->weight_dtype && job->weight_dtype != job->dtype && job->weight_dtype != NC_F32)
 		return nc__fail(NC_EUNSUPPORTED, "weight_dtype must match dtype or be F32");
-	if (job->rows == 0 || job->cols == 0 || job->rows > INT64_MAX ||
-	    __builtin_mul_overflow(job->rows, job->cols, &elems) || elems > INT64_MAX / 8)
-		return nc__fail(NC_EINVALID_ARGUMENT, "rows %llu x cols %llu is not a shape",
+	if (job->rows == 0 || job->cols == 0)
+		return nc__fail(NC_EINVALID_ARGUMENT, "rows and cols must be at least 1");
+	if (job->rows > INT64_MAX || __builtin_mul_overflow(job->rows, job->cols, &elems) ||
+	    elems > INT64_MAX / 8)
+		return nc__fail(NC_EOUT_OF_RANGE, "rows*cols overflows (rows %llu, cols %llu)",
 				(unsigned long long)job->rows, (unsigned long long)job->cols);
+	if (!job->gamma.region && (job->beta.region || job->dgamma.region || job->dbeta.region))
+		return nc__fail(NC_EINVALID_ARGUMENT, "beta, dgamma and dbeta need gamma");
 	if (job->eps < 0.0f || !isfinite(job->eps))
 		return nc__fail(NC_EINVALID_ARGUMENT, "eps must be positive and finite (got %g)",
 				(double)job->eps);
