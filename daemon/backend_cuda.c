@@ -122,6 +122,7 @@ struct cuda_device {
 	unsigned next_launcher;    /* round robin over new streams (loop thread) */
 	cudaStream_t control;      /* releases abandoned streams' ready words */
 	uint32_t *retired_words;   /* pinned, RETIRED_WORDS of them */
+	atomic_uint enqueued;      /* enqueued jobs launched and not yet retired */
 	uint8_t retired_used[RETIRED_WORDS]; /* loop thread */
 };
 
@@ -136,8 +137,11 @@ struct backend_cuda {
 	char fatal_message[96];           /* written once, by whoever set `fatal` */
 	/*
 	 * cudaIpcCloseMemHandle waits for the whole device, streams blocked on a
-	 * client's ready word included: mappings are closed on a thread of their
-	 * own, so that one silent client never stalls the loop.
+	 * client's ready word included, and launches wait for it meanwhile: a
+	 * close while enqueued jobs are on the device could deadlock with a
+	 * client whose next ready word needs the next launch. So mappings are
+	 * closed on a thread of their own, once their device has no enqueued
+	 * job in flight (a silent client's mappings wait until it leaves).
 	 */
 	uv_thread_t closer;
 	bool closer_started, closer_stopping;
@@ -194,6 +198,12 @@ static void closer_main(void *arg)
 			break;
 		if (!m) {
 			uv_cond_wait(&cuda->closer_wake, &cuda->closer_lock);
+			continue;
+		}
+		struct cuda_device *dev = cuda_find_device(cuda, m->device);
+		if (dev && atomic_load(&dev->enqueued) > 0 && !cuda->closer_stopping) {
+			uint64_t ms = 1000000;
+			uv_cond_timedwait(&cuda->closer_wake, &cuda->closer_lock, ms);
 			continue;
 		}
 		cuda->to_close = m->next;
@@ -717,6 +727,7 @@ static void launcher_run(struct cuda_launcher *l, struct job *job)
 	struct cuda_estream *ce = es->backend_state;
 	job->t_start_ns = job->t_end_ns = server_now_ns();
 	bool waited = false;
+	atomic_fetch_add(&dev->enqueued, 1); /* until cuda_stream_job_retired */
 	if (job->status == NC_OK && atomic_load(&dev->backend->fatal))
 		launcher_fail(job, NC_EDEVICE_ERROR, dev->backend->fatal_message);
 	if (job->status == NC_OK && job->deadline_us &&
@@ -860,6 +871,12 @@ static uint32_t cuda_stream_retired(struct backend *backend, struct estream *es)
 	(void)backend;
 	struct cuda_estream *ce = es->backend_state;
 	return atomic_load_explicit((_Atomic uint32_t *)ce->retired, memory_order_acquire);
+}
+
+static void cuda_stream_job_retired(struct backend *backend, struct estream *es)
+{
+	struct cuda_device *dev = cuda_find_device((struct backend_cuda *)backend, es->device);
+	atomic_fetch_sub(&dev->enqueued, 1);
 }
 
 static void cuda_stream_abandon(struct backend *backend, struct estream *es)
@@ -1197,6 +1214,7 @@ int backend_cuda_create(const struct config *cfg, struct backend **out)
 		.orders_streams = true,
 		.stream_open = cuda_stream_open,
 		.stream_retired = cuda_stream_retired,
+		.stream_job_retired = cuda_stream_job_retired,
 		.stream_abandon = cuda_stream_abandon,
 		.stream_close = cuda_stream_close,
 	};

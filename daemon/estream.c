@@ -271,6 +271,8 @@ static void estream_reap(struct backend *backend, struct estream *es)
 		struct job *job = es->head;
 		bool last = job->es_next == NULL;
 		struct client *c = es->client;
+		if (backend->stream_job_retired)
+			backend->stream_job_retired(backend, es);
 		estream_retire(job); /* may free es with its last job */
 		if (last) {
 			if (!c->closing)
