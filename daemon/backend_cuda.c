@@ -14,14 +14,15 @@
  * closed when the last region and job using it are gone.
  *
  * The enqueue mode (docs/ENQUEUE.md): each caller stream of a connection has
- * a stream of its own here, with its own workspace, so that one client's
- * silent stream stalls nobody else. Launcher threads (enqueue_threads per
- * device; a stream always goes to the same one, so its jobs keep their
- * order) queue the wait for the slot's ready word, the kernel, and the
- * writes of the done word and of a pinned retired word the loop polls.
- * They never wait for the GPU. Nothing here synchronizes the whole device
- * while serving (workspaces are stream-ordered allocations), since a
- * device-wide wait would also wait for streams blocked on ready words.
+ * a stream of its own here, with its own workspace. Launcher threads
+ * (enqueue_threads per device; a stream always goes to the same one, so its
+ * jobs keep their order) watch each waiting job's ready word, which the
+ * caller's GPU writes into host memory, and launch the job once it is set,
+ * followed by the writes of the done word and of a pinned retired word the
+ * loop polls. No stream of the daemon ever waits on a client: a GPU-side
+ * wait would block the hardware queue it shares with other streams (32 at
+ * most), and with it other clients, and every device-wide synchronization
+ * (cudaIpcCloseMemHandle is one). Launchers never wait for the GPU.
  *
  * A failure while a kernel ran (illegal address, device lost) is sticky: it
  * poisons the context for everyone. The backend then fails every job with
@@ -70,10 +71,11 @@ struct cuda_launcher {
 	bool started;
 	uv_mutex_t lock;           /* the queue below */
 	uv_cond_t wake;
-	struct job *head, *tail;
+	struct job *head, *tail;   /* handed over by the loop */
 	atomic_uint queued;
 	bool sleeping;             /* waits on `wake` (lock) */
 	bool stopping;
+	struct job *waiting, *waiting_tail; /* the thread's own: jobs whose ready word is not set */
 };
 
 /* The backend's side of an estream. */
@@ -84,6 +86,8 @@ struct cuda_estream {
 	size_t workspace_bytes;
 	uint32_t *retired;         /* pinned word: the latest seq the device finished */
 	unsigned retired_slot;
+	atomic_bool abandoned;     /* the client left: launch nothing more */
+	bool blocked;              /* launcher's scan: an earlier job of this stream waits */
 };
 
 struct cuda_worker {
@@ -120,9 +124,7 @@ struct cuda_device {
 	struct cuda_launcher launchers[CUDA_MAX_LAUNCHERS];
 	int launcher_count;
 	unsigned next_launcher;    /* round robin over new streams (loop thread) */
-	cudaStream_t control;      /* releases abandoned streams' ready words */
 	uint32_t *retired_words;   /* pinned, RETIRED_WORDS of them */
-	atomic_uint enqueued;      /* enqueued jobs launched and not yet retired */
 	uint8_t retired_used[RETIRED_WORDS]; /* loop thread */
 };
 
@@ -136,12 +138,9 @@ struct backend_cuda {
 	atomic_bool fatal;
 	char fatal_message[96];           /* written once, by whoever set `fatal` */
 	/*
-	 * cudaIpcCloseMemHandle waits for the whole device, streams blocked on a
-	 * client's ready word included, and launches wait for it meanwhile: a
-	 * close while enqueued jobs are on the device could deadlock with a
-	 * client whose next ready word needs the next launch. So mappings are
-	 * closed on a thread of their own, once their device has no enqueued
-	 * job in flight (a silent client's mappings wait until it leaves).
+	 * cudaIpcCloseMemHandle waits for the whole device (hundreds of
+	 * microseconds of a busy one): mappings are closed on a thread of their
+	 * own, off the loop.
 	 */
 	uv_thread_t closer;
 	bool closer_started, closer_stopping;
@@ -198,12 +197,6 @@ static void closer_main(void *arg)
 			break;
 		if (!m) {
 			uv_cond_wait(&cuda->closer_wake, &cuda->closer_lock);
-			continue;
-		}
-		struct cuda_device *dev = cuda_find_device(cuda, m->device);
-		if (dev && atomic_load(&dev->enqueued) > 0 && !cuda->closer_stopping) {
-			uint64_t ms = 1000000;
-			uv_cond_timedwait(&cuda->closer_wake, &cuda->closer_lock, ms);
 			continue;
 		}
 		cuda->to_close = m->next;
@@ -276,11 +269,14 @@ static int cuda_region_map(struct backend *backend, struct region *twin,
 			   char *why, size_t why_len)
 {
 	struct backend_cuda *cuda = (struct backend_cuda *)backend;
+	if (msg->kind == NORMD__REGION_KIND__HOST_MEMFD && fd >= 0)
+		return region_map_memfd(fd, msg->region_id, msg->size, out, why, why_len);
 	if (fd >= 0)
 		close(fd);
 	if (msg->kind != NORMD__REGION_KIND__CUDA_IPC) {
 		snprintf(why, why_len, "region kind %d is not supported by the cuda backend "
-			 "(use CUDA_IPC)", (int)msg->kind);
+			 "(CUDA_IPC for tensors, HOST_MEMFD with its fd for enqueue ready words)",
+			 (int)msg->kind);
 		return NC_EUNSUPPORTED;
 	}
 	if (!msg->has_handle || msg->handle.len != 64) {
@@ -716,9 +712,10 @@ static void launcher_fail(struct job *job, int status, const char *message)
 }
 
 /*
- * Queues one job of an estream: wait for ready, the kernel, then done and
- * retired. A refused or failed job is released the same way, after its
- * outputs are poisoned (0xff bytes: NaN in every dtype). Never waits for the GPU.
+ * Launches one job of an estream whose ready word is set: the kernel, then
+ * the writes of done and retired. A refused or failed job is released the
+ * same way, after its outputs are poisoned (0xff bytes: NaN in every dtype).
+ * Never waits for the GPU.
  */
 static void launcher_run(struct cuda_launcher *l, struct job *job)
 {
@@ -726,8 +723,8 @@ static void launcher_run(struct cuda_launcher *l, struct job *job)
 	struct estream *es = job->estream;
 	struct cuda_estream *ce = es->backend_state;
 	job->t_start_ns = job->t_end_ns = server_now_ns();
-	bool waited = false;
-	atomic_fetch_add(&dev->enqueued, 1); /* until cuda_stream_job_retired */
+	if (job->status == NC_OK && atomic_load(&ce->abandoned))
+		launcher_fail(job, NC_ESHUTTING_DOWN, "the client disconnected");
 	if (job->status == NC_OK && atomic_load(&dev->backend->fatal))
 		launcher_fail(job, NC_EDEVICE_ERROR, dev->backend->fatal_message);
 	if (job->status == NC_OK && job->deadline_us &&
@@ -743,10 +740,7 @@ static void launcher_run(struct cuda_launcher *l, struct job *job)
 				      nk_cuda_workspace_bytes(&job->args, &dev->info, &v)) != 0) {
 			launcher_fail(job, NC_ERESOURCE_EXHAUSTED,
 				      "out of device memory for the job's workspace");
-		} else if (nk_cuda_stream_wait(ce->stream, es->ready, job->seq) != 0) {
-			launcher_fail(job, NC_EDEVICE_ERROR, "cannot queue the wait for the ready word");
 		} else {
-			waited = true;
 			struct nk_cuda_exec exec = {ce->stream, ce->workspace, ce->workspace_bytes, NULL};
 			if (nk_cuda_norm(&job->args, &dev->info, &v, &exec, &ran) == NK_OK)
 				nk_variant_name(&ran, job->variant, sizeof(job->variant));
@@ -755,11 +749,10 @@ static void launcher_run(struct cuda_launcher *l, struct job *job)
 					    nk_cuda_last_error());
 		}
 	}
-	if (job->status != NC_OK && job->bound && job->device == es->device) {
+	if (job->status != NC_OK && job->bound && job->device == es->device &&
+	    !atomic_load(&ce->abandoned)) {
 		struct job_output out[4];
 		unsigned n = job_outputs(job, out);
-		if (!waited && nk_cuda_stream_wait(ce->stream, es->ready, job->seq) != 0)
-			n = 0; /* poisoning before the caller's inputs are ready could race them */
 		for (unsigned i = 0; i < n; i++) {
 			if (cudaMemsetAsync(out[i].ptr, 0xff, (size_t)out[i].bytes, ce->stream) !=
 			    cudaSuccess)
@@ -772,48 +765,111 @@ static void launcher_run(struct cuda_launcher *l, struct job *job)
 	}
 }
 
-static struct job *launcher_next(struct cuda_launcher *l, uint64_t spin_until)
+/* Whether a waiting job may go: its ready word is set, or it needs none. */
+static bool launcher_job_ready(const struct job *job)
 {
-	for (;;) {
-		if (atomic_load_explicit(&l->queued, memory_order_acquire) > 0 || l->stopping) {
-			uv_mutex_lock(&l->lock);
-			struct job *job = l->head;
-			if (job) {
-				l->head = job->next;
-				if (!l->head)
-					l->tail = NULL;
-				atomic_fetch_sub(&l->queued, 1);
-			}
-			bool stop = !job && l->stopping;
-			uv_mutex_unlock(&l->lock);
-			if (job || stop)
-				return job;
-		}
-		if (server_now_ns() < spin_until) {
-			sched_yield();
-			continue;
-		}
-		uv_mutex_lock(&l->lock);
-		while (!l->head && !l->stopping) {
-			l->sleeping = true;
-			uv_cond_wait(&l->wake, &l->lock);
-		}
-		l->sleeping = false;
-		uv_mutex_unlock(&l->lock);
-	}
+	const struct estream *es = job->estream;
+	const struct cuda_estream *ce = es->backend_state;
+	if (atomic_load(&ce->abandoned))
+		return true; /* failed at once: no kernel of a departed client runs */
+	if (job->status != NC_OK && !job->bound)
+		return true; /* nothing to poison: release at once */
+	uint32_t ready = atomic_load_explicit((_Atomic uint32_t *)es->ready, memory_order_acquire);
+	return seq_reached(ready, job->seq);
 }
 
+/*
+ * One pass over the waiting jobs, oldest first: launches each whose ready
+ * word is set and that no earlier job of its stream precedes. Returns how many.
+ */
+static unsigned launcher_scan(struct cuda_launcher *l)
+{
+	unsigned launched = 0;
+	for (struct job *j = l->waiting; j; j = j->next)
+		((struct cuda_estream *)j->estream->backend_state)->blocked = false;
+	struct job **link = &l->waiting, *prev = NULL;
+	while (*link) {
+		struct job *job = *link;
+		struct cuda_estream *ce = job->estream->backend_state;
+		if (ce->blocked || !launcher_job_ready(job)) {
+			ce->blocked = true;
+			prev = job;
+			link = &job->next;
+			continue;
+		}
+		*link = job->next;
+		if (l->waiting_tail == job)
+			l->waiting_tail = prev;
+		launcher_run(l, job);
+		job_post_completion(job);
+		launched++;
+	}
+	return launched;
+}
+
+/* Moves what the loop handed over to the waiting list; false when stopping with nothing left. */
+static bool launcher_take(struct cuda_launcher *l, bool may_sleep)
+{
+	uv_mutex_lock(&l->lock);
+	while (may_sleep && !l->head && !l->stopping) {
+		l->sleeping = true;
+		uv_cond_wait(&l->wake, &l->lock);
+		l->sleeping = false;
+	}
+	struct job *head = l->head;
+	l->head = l->tail = NULL;
+	atomic_store(&l->queued, 0);
+	bool stop = l->stopping && !head && !l->waiting;
+	uv_mutex_unlock(&l->lock);
+	while (head) {
+		struct job *next = head->next;
+		head->next = NULL;
+		if (l->waiting_tail)
+			l->waiting_tail->next = head;
+		else
+			l->waiting = head;
+		l->waiting_tail = head;
+		head = next;
+	}
+	return !stop;
+}
+
+/*
+ * The launcher: polls the ready words of its waiting jobs (yielding between
+ * passes, then sleeping a little while nothing moves) and sleeps on its
+ * condition variable when nothing waits, after busy_poll_us of spinning.
+ */
 static void launcher_main(void *arg)
 {
 	struct cuda_launcher *l = arg;
 	uint64_t spin_ns = l->dev->backend->busy_poll_us * 1000;
-	uint64_t spin_until = 0;
+	uint64_t last_progress = server_now_ns();
 	cudaSetDevice(l->dev->ordinal);
-	struct job *job;
-	while ((job = launcher_next(l, spin_until)) != NULL) {
-		launcher_run(l, job);
-		job_post_completion(job);
-		spin_until = server_now_ns() + spin_ns;
+	for (;;) {
+		bool idle = !l->waiting && server_now_ns() - last_progress > spin_ns;
+		struct job *newest = l->waiting_tail;
+		if (!launcher_take(l, idle && atomic_load(&l->queued) == 0))
+			break;
+		if (l->waiting_tail != newest)
+			last_progress = server_now_ns(); /* new work: watch it closely for a while */
+		if (l->stopping) {
+			/* Leaving: what still waits is failed (the loop abandons every stream first). */
+			for (struct job *j = l->waiting; j; j = j->next)
+				atomic_store(&((struct cuda_estream *)j->estream->backend_state)->abandoned,
+					     true);
+		}
+		if (launcher_scan(l) > 0) {
+			last_progress = server_now_ns();
+		} else if (atomic_load(&l->queued) == 0) {
+			uint64_t quiet = server_now_ns() - last_progress;
+			if (quiet < spin_ns) {
+				sched_yield();
+			} else if (l->waiting) {
+				/* Clients whose GPUs are far behind: look every 20 us, not constantly. */
+				struct timespec pause = {0, 20000};
+				nanosleep(&pause, NULL);
+			}
+		}
 	}
 }
 
@@ -837,8 +893,13 @@ static int cuda_stream_open(struct backend *backend, struct estream *es, char *w
 {
 	struct cuda_device *dev = cuda_find_device((struct backend_cuda *)backend, es->device);
 	if (!dev) {
-		snprintf(why, why_len, "enqueue: the semaphore slot must be in device memory of a "
-			 "served device (region on device %d)", es->device);
+		snprintf(why, why_len, "enqueue: the done word must be in device memory of a "
+			 "served device (its region is on device %d)", es->device);
+		return NC_EINVALID_ARGUMENT;
+	}
+	if (es->sem->device >= 0) {
+		snprintf(why, why_len, "enqueue: the ready word must be in host memory (a HOST_MEMFD "
+			 "region), where the daemon watches it");
 		return NC_EINVALID_ARGUMENT;
 	}
 	unsigned slot = 0;
@@ -873,21 +934,11 @@ static uint32_t cuda_stream_retired(struct backend *backend, struct estream *es)
 	return atomic_load_explicit((_Atomic uint32_t *)ce->retired, memory_order_acquire);
 }
 
-static void cuda_stream_job_retired(struct backend *backend, struct estream *es)
-{
-	struct cuda_device *dev = cuda_find_device((struct backend_cuda *)backend, es->device);
-	atomic_fetch_sub(&dev->enqueued, 1);
-}
-
 static void cuda_stream_abandon(struct backend *backend, struct estream *es)
 {
-	struct cuda_device *dev = cuda_find_device((struct backend_cuda *)backend, es->device);
-	/* The daemon's waits on this client's ready words end; the memory stays mapped until then. */
-	if (nk_cuda_stream_write(dev->control, es->ready, NULL, es->last_seq) != 0) {
-		cudaGetLastError();
-		log_warn("event=enqueue_release_failed device=%d client=%llu", es->device,
-			 (unsigned long long)es->client->id);
-	}
+	(void)backend;
+	struct cuda_estream *ce = es->backend_state;
+	atomic_store(&ce->abandoned, true); /* its launcher fails what still waits */
 }
 
 static void cuda_stream_close(struct backend *backend, struct estream *es)
@@ -982,8 +1033,6 @@ static void device_stop(struct cuda_device *dev)
 		uv_mutex_destroy(&l->lock);
 	}
 	cudaSetDevice(dev->ordinal);
-	if (dev->control)
-		cudaStreamDestroy(dev->control);
 	if (dev->retired_words)
 		cudaFreeHost(dev->retired_words);
 	for (int i = 0; i < dev->workers_wanted; i++) {
@@ -1041,11 +1090,10 @@ static int worker_init(struct cuda_worker *w, struct cuda_device *dev)
 	return 0;
 }
 
-/* The enqueue mode's launchers, control stream and retired words of a device. */
+/* The enqueue mode's launchers and retired words of a device. */
 static int device_init_enqueue(struct cuda_device *dev, const struct config *cfg)
 {
-	if (cudaStreamCreateWithFlags(&dev->control, cudaStreamNonBlocking) != cudaSuccess ||
-	    cudaMallocHost((void **)&dev->retired_words, RETIRED_WORDS * sizeof(uint32_t)) !=
+	if (cudaMallocHost((void **)&dev->retired_words, RETIRED_WORDS * sizeof(uint32_t)) !=
 		    cudaSuccess) {
 		cudaGetLastError();
 		return -1;
@@ -1170,17 +1218,8 @@ static int parse_devices(const char *spec, int available, int *ordinals)
 
 int backend_cuda_create(const struct config *cfg, struct backend **out)
 {
-	/*
-	 * Streams beyond the device's hardware queues share them, and a stream
-	 * waiting for a client's ready word blocks the queue it is on: give
-	 * every stream a queue of its own as far as the hardware allows.
-	 */
+	/* Clients' streams side by side: as many hardware queues as the device has. */
 	setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
-	/*
-	 * Loading a kernel lazily, on its first launch, waits for the device,
-	 * and so for streams blocked on clients' ready words: load them all now.
-	 */
-	setenv("CUDA_MODULE_LOADING", "EAGER", 0);
 	int available = 0;
 	cudaError_t err = cudaGetDeviceCount(&available);
 	if (err != cudaSuccess || available == 0) {
@@ -1214,7 +1253,6 @@ int backend_cuda_create(const struct config *cfg, struct backend **out)
 		.orders_streams = true,
 		.stream_open = cuda_stream_open,
 		.stream_retired = cuda_stream_retired,
-		.stream_job_retired = cuda_stream_job_retired,
 		.stream_abandon = cuda_stream_abandon,
 		.stream_close = cuda_stream_close,
 	};

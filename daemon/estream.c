@@ -4,11 +4,12 @@
  *
  * An estream is one slot of one connection, created by the first job that
  * names it. Its jobs stay in seq order on its list from arrival to the end:
- *   - backends that order on the device (CUDA) take each job at once; the
- *     device waits for the slot's ready word, runs the job, writes done and a
+ *   - backends that order on the device (CUDA) take each job at once; their
+ *     launcher threads watch the slot's ready word (host memory) and launch
+ *     the job once it is set, followed by writes of done and of a
  *     daemon-private retired word. The backend posts the job once it is
- *     queued (it is answered then), and estream_poll() finishes it once the
- *     retired word says the device is past it;
+ *     launched (it is answered then), and estream_poll() finishes it once
+ *     the retired word says the device is past it;
  *   - other backends (CPU) get one job of a stream at a time, once the loop
  *     sees its ready word; the loop writes done when the job comes back.
  * A refused job still takes its turn: its outputs are poisoned (when its
@@ -79,31 +80,53 @@ static void estream_close(struct estream *es)
 	if (backend && backend->stream_close)
 		backend->stream_close(backend, es);
 	region_unref(es->sem);
+	region_unref(es->done_region);
 	nc__free(es);
+}
+
+/* The word `region` + `offset` names, `align`-aligned and 4 bytes inside; NULL and `why` if not. */
+static struct region *estream_word(struct client *c, uint64_t region_id, uint64_t offset,
+				   uint64_t align, const char *what, char *why, size_t why_len)
+{
+	struct region *r = region_lookup(&c->regions, region_id);
+	if (!r) {
+		snprintf(why, why_len, "enqueue: %s region %llu is not registered on this "
+			 "connection", what, (unsigned long long)region_id);
+		return NULL;
+	}
+	if (offset % align != 0 || offset > r->size || r->size - offset < 4) {
+		snprintf(why, why_len, "enqueue: %s offset %llu is not a %llu-byte aligned word "
+			 "inside region %llu (%llu bytes)", what, (unsigned long long)offset,
+			 (unsigned long long)align, (unsigned long long)region_id,
+			 (unsigned long long)r->size);
+		return NULL;
+	}
+	return r;
 }
 
 int estream_for_job(struct client *c, const Normd__Enqueue *msg, int device, struct estream **out,
 		    char *why, size_t why_len)
 {
 	struct backend *backend = c->srv->backend;
-	struct region *sem = region_lookup(&c->regions, msg->sem_region);
 	(void)device;
-	if (!sem) {
-		snprintf(why, why_len, "enqueue: semaphore region %llu is not registered on this "
-			 "connection", (unsigned long long)msg->sem_region);
-		return NC_ENOT_FOUND;
-	}
-	if (msg->sem_offset % ESTREAM_SLOT_BYTES != 0 || msg->sem_offset > sem->size ||
-	    sem->size - msg->sem_offset < ESTREAM_SLOT_BYTES) {
-		snprintf(why, why_len, "enqueue: sem_offset %llu is not a %d-byte aligned slot "
-			 "inside region %llu (%llu bytes)", (unsigned long long)msg->sem_offset,
-			 ESTREAM_SLOT_BYTES, (unsigned long long)msg->sem_region,
-			 (unsigned long long)sem->size);
+	uint64_t done_region = msg->has_done_region ? msg->done_region : msg->sem_region;
+	uint64_t done_offset = msg->has_done_offset ? msg->done_offset
+						    : msg->sem_offset + ESTREAM_DONE_OFFSET;
+	struct region *sem = estream_word(c, msg->sem_region, msg->sem_offset, ESTREAM_SLOT_BYTES,
+					  "ready", why, why_len);
+	struct region *done = sem ? estream_word(c, done_region, done_offset, ESTREAM_DONE_OFFSET,
+						 "done", why, why_len)
+				  : NULL;
+	if (!sem || !done)
 		return NC_EOUT_OF_RANGE;
-	}
+	void *done_word = (char *)done->base + done_offset;
 	for (struct estream *es = c->estreams; es; es = es->next) {
 		if (es->sem != sem || es->offset != msg->sem_offset)
 			continue;
+		if (es->done != done_word) {
+			snprintf(why, why_len, "enqueue: the slot's done word moved");
+			return NC_EINVALID_ARGUMENT;
+		}
 		if (!seq_reached(msg->seq, es->last_seq + 1)) {
 			snprintf(why, why_len, "enqueue: seq %u does not follow %u on this slot",
 				 msg->seq, es->last_seq);
@@ -126,9 +149,10 @@ int estream_for_job(struct client *c, const Normd__Enqueue *msg, int device, str
 	es->region_id = msg->sem_region;
 	es->offset = msg->sem_offset;
 	es->sem = sem;
+	es->done_region = done;
 	es->ready = (char *)sem->base + msg->sem_offset;
-	es->done = (char *)es->ready + ESTREAM_DONE_OFFSET;
-	es->device = sem->device;
+	es->done = done_word;
+	es->device = done->device;
 	es->last_seq = msg->seq - 1;
 	int rc = backend->stream_open ? backend->stream_open(backend, es, why, why_len) : 0;
 	if (rc) {
@@ -136,6 +160,7 @@ int estream_for_job(struct client *c, const Normd__Enqueue *msg, int device, str
 		return rc;
 	}
 	region_ref(sem);
+	region_ref(done);
 	es->next = c->estreams;
 	c->estreams = es;
 	c->estream_count++;

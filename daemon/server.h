@@ -219,8 +219,8 @@ void job_drain_completions(uv_async_t *async);
 
 /* ---- the enqueue mode (estream.c, docs/ENQUEUE.md) ------------------------------- */
 
-#define ESTREAM_SLOT_BYTES 128 /* a semaphore slot: ready at +0, done at +64 */
-#define ESTREAM_DONE_OFFSET 64
+#define ESTREAM_SLOT_BYTES 128 /* a semaphore slot: ready at +0, by default done at +64 */
+#define ESTREAM_DONE_OFFSET 64  /* also the done word's alignment */
 
 /* A caller stream's semaphore slot on one connection, and its jobs. */
 struct estream {
@@ -229,9 +229,10 @@ struct estream {
 	bool busy;                   /* on that list */
 	struct client *client;
 	uint64_t region_id, offset;  /* the slot, as the client names it */
-	struct region *sem;          /* one reference while the stream lives */
+	struct region *sem;          /* the ready word's region: one reference while it lives */
+	struct region *done_region;  /* the done word's (often the same): one reference */
 	void *ready, *done;          /* the slot's words where the daemon reaches them */
-	int device;                  /* the sem region's device (-1: host memory) */
+	int device;                  /* the done word's device (-1: host memory) */
 	uint32_t last_seq;           /* newest seq accepted */
 	bool abandoned;              /* the client left: run or fail what is queued, then close */
 	struct job *head, *tail;     /* accepted, not finished, in seq order */

@@ -2,14 +2,17 @@
  * The enqueue mode (docs/ENQUEUE.md): a job ordered with a caller's stream
  * through a semaphore slot, with no thread waiting for a GPU.
  *
- * Per device the connection owns one block of NC__SLOTS slots of 128 bytes
- * (cudaMalloc'ed on the CUDA backend, a memfd on the CPU backend),
- * registered with the daemon as an ordinary region. A caller stream takes a
- * slot on first use. For each job the stream writes ready = seq and waits
- * for done >= seq (one batched call), then the request goes out; the daemon
- * waits for ready, runs the job and writes done. Both words live in the
- * client's memory: the daemon keeps its mapping while it has jobs on it, so
- * each side can always write the word it waits on and release itself.
+ * Per device the connection owns NC__SLOTS slots of 128 bytes, registered
+ * with the daemon as ordinary regions: ready words in a memfd (on the CUDA
+ * backend also registered with CUDA, so the caller's GPU writes them into
+ * host memory, where the daemon watches them from its CPU) and done words
+ * in a cudaMalloc'ed block (CPU backend: the memfd, at +64). A caller stream
+ * takes a slot on first use. For each job the stream writes ready = seq and
+ * waits for done >= seq (one batched call), then the request goes out; the
+ * daemon launches the job once it sees ready and writes done after it. The
+ * words live in the client's memory, which the daemon keeps mapped while it
+ * has jobs on them, so each side can always write the word it waits on and
+ * release itself.
  *
  * A watcher thread per connection sleeps in poll() for the socket's hang-up;
  * if the daemon dies it writes every slot's done word up to the last seq
@@ -44,8 +47,11 @@ struct nc__slot {
 /* One device's semaphore slots. */
 struct nc__block {
 	int device;              /* -1: host memory (CPU backend) */
-	nc_region *region;       /* registered with the daemon */
-	uint8_t *words;          /* device pointer, or the host mapping */
+	nc_region *ready_region; /* the memfd of the ready words */
+	uint8_t *ready_host;     /* its mapping here */
+	uint8_t *ready_gpu;      /* CUDA: the same memory as the caller's GPU writes it */
+	nc_region *done_region;  /* CUDA: the block of done words; CPU: ready_region */
+	uint8_t *done_words;     /* done word of slot i at i * NC__SLOT_BYTES + NC__DONE_OFFSET */
 	void *device_memory;     /* ours to cudaFree, or NULL */
 	cudaStream_t release;    /* writes done words when the daemon is gone */
 	struct nc__slot slots[NC__SLOTS];
@@ -234,25 +240,32 @@ static int block_create_device(nc_conn *conn, struct nc__block *b, int device)
 	int previous = 0;
 	size_t bytes = NC__SLOTS * NC__SLOT_BYTES;
 	cudaGetDevice(&previous);
+	void *gpu_view = NULL;
 	if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&b->device_memory, bytes) != cudaSuccess ||
 	    cudaMemset(b->device_memory, 0, bytes) != cudaSuccess ||
-	    cudaStreamCreateWithFlags(&b->release, cudaStreamNonBlocking) != cudaSuccess) {
-		cudaGetLastError();
+	    cudaStreamCreateWithFlags(&b->release, cudaStreamNonBlocking) != cudaSuccess ||
+	    cudaHostRegister(b->ready_host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable) !=
+		    cudaSuccess ||
+	    cudaHostGetDevicePointer(&gpu_view, b->ready_host, 0) != cudaSuccess) {
+		cudaError_t err = cudaGetLastError();
 		cudaFree(b->device_memory);
 		b->device_memory = NULL;
 		cudaSetDevice(previous);
-		return nc__fail(NC_ERESOURCE_EXHAUSTED, "cannot allocate semaphore words on device %d",
-				device);
+		return nc__fail(NC_ERESOURCE_EXHAUSTED,
+				"cannot set up semaphore words on device %d: %s", device,
+				cudaGetErrorString(err));
 	}
 	cudaSetDevice(previous);
-	int rc = nc_region_register_device(conn, b->device_memory, &b->region);
+	b->ready_gpu = gpu_view;
+	int rc = nc_region_register_device(conn, b->device_memory, &b->done_region);
 	if (rc) {
+		cudaHostUnregister(b->ready_host);
 		cudaStreamDestroy(b->release);
 		cudaFree(b->device_memory);
 		b->device_memory = NULL;
 		return rc;
 	}
-	b->words = b->device_memory;
+	b->done_words = b->device_memory;
 	return 0;
 }
 
@@ -270,16 +283,17 @@ static int block_for(nc_conn *conn, struct nc__enqueue *e, int device, struct nc
 	struct nc__block *b = &e->blocks[e->block_count];
 	memset(b, 0, sizeof(*b));
 	b->device = device;
-	int rc;
-	if (device < 0) {
-		rc = nc_region_alloc_host(conn, NC__SLOTS * NC__SLOT_BYTES, &b->region);
-		if (rc == 0)
-			b->words = nc_region_data(b->region);
-	} else {
-		rc = block_create_device(conn, b, device);
-	}
+	int rc = nc_region_alloc_host(conn, NC__SLOTS * NC__SLOT_BYTES, &b->ready_region);
 	if (rc)
 		return rc;
+	b->ready_host = nc_region_data(b->ready_region);
+	if (device < 0) {
+		b->done_region = b->ready_region;
+		b->done_words = b->ready_host;
+	} else if ((rc = block_create_device(conn, b, device)) != 0) {
+		nc_region_free(b->ready_region);
+		return rc;
+	}
 	e->block_count++;
 	*out = b;
 	return 0;
@@ -301,9 +315,14 @@ static struct nc__slot *slot_for(struct nc__block *b, void *key, bool create)
 	return free_slot;
 }
 
-static uint8_t *slot_words(struct nc__block *b, const struct nc__slot *slot)
+static size_t slot_offset(const struct nc__block *b, const struct nc__slot *slot)
 {
-	return b->words + (size_t)(slot - b->slots) * NC__SLOT_BYTES;
+	return (size_t)(slot - b->slots) * NC__SLOT_BYTES;
+}
+
+static uint8_t *slot_done(struct nc__block *b, const struct nc__slot *slot)
+{
+	return b->done_words + slot_offset(b, slot) + NC__DONE_OFFSET;
 }
 
 /* Writes done = the latest seq issued on every slot: no caller stream waits on us any more. */
@@ -314,7 +333,7 @@ static void release_all_slots(struct nc__enqueue *e)
 		for (unsigned k = 0; k < NC__SLOTS; k++) {
 			if (!b->slots[k].used)
 				continue;
-			uint8_t *done = slot_words(b, &b->slots[k]) + NC__DONE_OFFSET;
+			uint8_t *done = slot_done(b, &b->slots[k]);
 			if (b->device < 0)
 				atomic_store_explicit((_Atomic uint32_t *)done, b->slots[k].seq,
 						      memory_order_release);
@@ -386,7 +405,8 @@ void nc__enqueue_release(nc_conn *conn)
 	for (unsigned i = 0; i < e->block_count; i++) {
 		struct nc__block *b = &e->blocks[i];
 		if (b->device < 0)
-			continue; /* a host region: released with the others */
+			continue; /* host regions: released with the others */
+		cudaHostUnregister(b->ready_host);
 		cudaStreamDestroy(b->release);
 		cudaFree(b->device_memory);
 	}
@@ -442,10 +462,12 @@ static int enqueue_locked(nc_conn *conn, struct nc__block *b, struct nc__slot *s
 			  const struct nc_job *job, void *stream)
 {
 	uint32_t seq = slot->seq + 1;
-	uint8_t *words = slot_words(b, slot);
+	size_t offset = slot_offset(b, slot);
+	uint8_t *done = slot_done(b, slot);
 	if (b->device < 0) {
-		atomic_store_explicit((_Atomic uint32_t *)words, seq, memory_order_release);
-	} else if (nk_cuda_stream_signal_wait(stream, words, seq, words + NC__DONE_OFFSET, seq) != 0) {
+		atomic_store_explicit((_Atomic uint32_t *)(b->ready_host + offset), seq,
+				      memory_order_release);
+	} else if (nk_cuda_stream_signal_wait(stream, b->ready_gpu + offset, seq, done, seq) != 0) {
 		cudaGetLastError();
 		return nc__fail(NC_EINVALID_ARGUMENT,
 				"cannot queue the semaphore operations on the caller's stream");
@@ -454,9 +476,12 @@ static int enqueue_locked(nc_conn *conn, struct nc__block *b, struct nc__slot *s
 	Normd__Tensor ts[11];
 	nc__job_to_msg(job, &msg, ts);
 	Normd__Enqueue enq = NORMD__ENQUEUE__INIT;
-	enq.sem_region = nc_region_id(b->region);
-	enq.sem_offset = (uint64_t)(words - b->words);
+	enq.sem_region = nc_region_id(b->ready_region);
+	enq.sem_offset = offset;
 	enq.seq = seq;
+	enq.has_done_region = enq.has_done_offset = true;
+	enq.done_region = nc_region_id(b->done_region);
+	enq.done_offset = offset + NC__DONE_OFFSET;
 	msg.enqueue = &enq;
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.body_case = NORMD__ENVELOPE__BODY_JOB;
@@ -476,9 +501,8 @@ static int enqueue_locked(nc_conn *conn, struct nc__block *b, struct nc__slot *s
 	nc__idset_remove(&conn->enqueued, id);
 	pthread_mutex_unlock(&conn->lock);
 	if (b->device < 0)
-		atomic_store_explicit((_Atomic uint32_t *)(words + NC__DONE_OFFSET), seq,
-				      memory_order_release);
-	else if (nk_cuda_stream_write(b->release, words + NC__DONE_OFFSET, NULL, seq) != 0)
+		atomic_store_explicit((_Atomic uint32_t *)done, seq, memory_order_release);
+	else if (nk_cuda_stream_write(b->release, done, NULL, seq) != 0)
 		cudaGetLastError();
 	return rc == NC_EIO ? nc__fail(NC_EDISCONNECTED, "%s", nc_last_error()) : rc;
 }
@@ -548,7 +572,7 @@ static int stream_idle(nc_conn *conn, void *stream, bool *idle)
 		if (slot && e->blocks[i].device < 0) {
 			host = true;
 			target = slot->seq;
-			done = slot_words(&e->blocks[i], slot) + NC__DONE_OFFSET;
+			done = slot_done(&e->blocks[i], slot);
 		}
 	}
 	pthread_mutex_unlock(&e->lock);
