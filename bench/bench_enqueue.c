@@ -362,9 +362,9 @@ static int chain_launch(struct chain_ctx *c, int k)
 
 /*
  * The chain in gated segments: the stream waits on the gate, every job of
- * the segment is queued (and, enqueued, answered by the daemon: queued on
- * its stream too), then the gate opens; events around each segment give
- * GPU time only. *host_us gets the launch calls' own time per job.
+ * the segment is queued (enqueued: sent to the daemon, which launches each
+ * once the stream reaches it), then the gate opens; events around each
+ * segment give GPU time only. *host_us gets the launch calls' own time per job.
  */
 static int chain_gated(struct chain_ctx *c, int jobs, int segment, double *gpu_us, double *host_us)
 {
@@ -383,12 +383,13 @@ static int chain_gated(struct chain_ctx *c, int jobs, int segment, double *gpu_u
 				return -1;
 		host += now_us() - t0;
 		cudaEventRecord(ev[1], c->t.stream);
-		int rc = c->kind == VIA_ENQUEUE ? nc_conn_check(c->t.conn, 30000) : NC_OK;
-		if (rc != NC_OK)
-			return enqueue_failed("nc_conn_check", rc);
+		/* The daemon launches each job once the stream reaches it (its ready word). */
 		if (nk_cuda_stream_write(c->gate_stream, c->gate, NULL, c->gate_value) != 0 ||
 		    cudaStreamSynchronize(c->t.stream) != cudaSuccess)
 			return -1;
+		int rc = c->kind == VIA_ENQUEUE ? nc_conn_check(c->t.conn, 30000) : NC_OK;
+		if (rc != NC_OK)
+			return enqueue_failed("nc_conn_check", rc);
 		float ms = 0;
 		cudaEventElapsedTime(&ms, ev[0], ev[1]);
 		gpu_ms += ms;

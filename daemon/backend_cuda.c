@@ -137,16 +137,6 @@ struct backend_cuda {
 	uint64_t busy_poll_us;           /* config: spin before sleeping */
 	atomic_bool fatal;
 	char fatal_message[96];           /* written once, by whoever set `fatal` */
-	/*
-	 * cudaIpcCloseMemHandle waits for the whole device (hundreds of
-	 * microseconds of a busy one): mappings are closed on a thread of their
-	 * own, off the loop.
-	 */
-	uv_thread_t closer;
-	bool closer_started, closer_stopping;
-	uv_mutex_t closer_lock;
-	uv_cond_t closer_wake;
-	struct ipc_mapping *to_close;
 };
 
 /* One opened IPC handle, shared by a connection's regions that name it. */
@@ -154,8 +144,6 @@ struct ipc_mapping {
 	void *ptr;
 	int device;
 	unsigned refs;
-	struct backend_cuda *cuda;
-	struct ipc_mapping *next;  /* the closer's queue */
 };
 
 /* ---- fatal errors ------------------------------------------------------------------ */
@@ -187,42 +175,17 @@ static struct cuda_device *cuda_find_device(struct backend_cuda *cuda, int ordin
 	return NULL;
 }
 
-static void closer_main(void *arg)
-{
-	struct backend_cuda *cuda = arg;
-	uv_mutex_lock(&cuda->closer_lock);
-	for (;;) {
-		struct ipc_mapping *m = cuda->to_close;
-		if (!m && cuda->closer_stopping)
-			break;
-		if (!m) {
-			uv_cond_wait(&cuda->closer_wake, &cuda->closer_lock);
-			continue;
-		}
-		cuda->to_close = m->next;
-		uv_mutex_unlock(&cuda->closer_lock);
-		cudaSetDevice(m->device);
-		cudaError_t err = cudaIpcCloseMemHandle(m->ptr);
-		if (err != cudaSuccess)
-			log_warn("event=ipc_close_failed device=%d error=\"%s\"", m->device,
-				 cudaGetErrorString(err));
-		nc__free(m);
-		uv_mutex_lock(&cuda->closer_lock);
-	}
-	uv_mutex_unlock(&cuda->closer_lock);
-}
-
 static void cuda_region_release(struct region *region)
 {
 	struct ipc_mapping *m = region->mapping;
 	if (!m || --m->refs > 0)
 		return;
-	struct backend_cuda *cuda = m->cuda;
-	uv_mutex_lock(&cuda->closer_lock);
-	m->next = cuda->to_close;
-	cuda->to_close = m;
-	uv_cond_signal(&cuda->closer_wake);
-	uv_mutex_unlock(&cuda->closer_lock);
+	cudaSetDevice(m->device);
+	cudaError_t err = cudaIpcCloseMemHandle(m->ptr);
+	if (err != cudaSuccess)
+		log_warn("event=ipc_close_failed device=%d error=\"%s\"", m->device,
+			 cudaGetErrorString(err));
+	nc__free(m);
 }
 
 /* Opens a handle on `device`, checking the allocation holds `size` bytes. */
@@ -293,7 +256,6 @@ static int cuda_region_map(struct backend *backend, struct region *twin,
 	int rc = m ? 0 : cuda_open_handle(device, msg->handle.data, msg->size, &m, why, why_len);
 	if (rc)
 		return rc;
-	m->cuda = cuda;
 	if (twin && msg->size > twin->size) {
 		/* Sharing a mapping: its size was checked for the first region only. */
 		uint64_t real = 0;
@@ -1065,15 +1027,6 @@ static void cuda_destroy(struct backend *backend)
 		return;
 	for (int i = 0; i < cuda->device_count; i++)
 		device_stop(&cuda->devices[i]);
-	if (cuda->closer_started) {
-		uv_mutex_lock(&cuda->closer_lock);
-		cuda->closer_stopping = true;
-		uv_cond_signal(&cuda->closer_wake);
-		uv_mutex_unlock(&cuda->closer_lock);
-		uv_thread_join(&cuda->closer);
-		uv_cond_destroy(&cuda->closer_wake);
-		uv_mutex_destroy(&cuda->closer_lock);
-	}
 	nc__free(cuda->devices);
 	nc__free(cuda->described);
 	nc__free(cuda);
@@ -1256,12 +1209,6 @@ int backend_cuda_create(const struct config *cfg, struct backend **out)
 		.stream_abandon = cuda_stream_abandon,
 		.stream_close = cuda_stream_close,
 	};
-	if (uv_mutex_init(&cuda->closer_lock) || uv_cond_init(&cuda->closer_wake) ||
-	    uv_thread_create(&cuda->closer, closer_main, cuda)) {
-		nc__free(cuda);
-		return NC_EINTERNAL;
-	}
-	cuda->closer_started = true;
 	cuda->autotune = cfg->autotune;
 	cuda->busy_poll_us = cfg->busy_poll_us;
 	cuda->base.poll_completions = cfg->busy_poll_us > 0;

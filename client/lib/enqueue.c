@@ -59,6 +59,12 @@ struct nc__block {
 
 struct nc__enqueue {
 	pthread_mutex_t lock;    /* one enqueue at a time: seq order = GPU order = send order */
+	/*
+	 * Guards the slots' seqs, block_count and `released`, never across a
+	 * CUDA call or a send: an enqueuer may block in either (a caller's
+	 * stream queue full behind a dead daemon) while the watcher releases.
+	 */
+	pthread_mutex_t seq_lock;
 	struct nc__block blocks[NC__BLOCKS];
 	unsigned block_count;
 	bool released;           /* every slot's done word was written by us */
@@ -226,6 +232,7 @@ static struct nc__enqueue *enqueue_of(nc_conn *conn)
 		struct nc__enqueue *e = nc__calloc(1, sizeof(*e));
 		if (e) {
 			pthread_mutex_init(&e->lock, NULL);
+			pthread_mutex_init(&e->seq_lock, NULL);
 			e->stop_pipe[0] = e->stop_pipe[1] = -1;
 		}
 		conn->enqueue = e;
@@ -328,22 +335,37 @@ static uint8_t *slot_done(struct nc__block *b, const struct nc__slot *slot)
 /* Writes done = the latest seq issued on every slot: no caller stream waits on us any more. */
 static void release_all_slots(struct nc__enqueue *e)
 {
+	struct {
+		struct nc__block *block;
+		uint8_t *done;
+		uint32_t seq;
+	} words[NC__BLOCKS * NC__SLOTS];
+	unsigned n = 0;
+	pthread_mutex_lock(&e->seq_lock);
+	e->released = true; /* enqueuers from now on release their own seq */
 	for (unsigned i = 0; i < e->block_count; i++) {
 		struct nc__block *b = &e->blocks[i];
 		for (unsigned k = 0; k < NC__SLOTS; k++) {
-			if (!b->slots[k].used)
-				continue;
-			uint8_t *done = slot_done(b, &b->slots[k]);
-			if (b->device < 0)
-				atomic_store_explicit((_Atomic uint32_t *)done, b->slots[k].seq,
-						      memory_order_release);
-			else if (nk_cuda_stream_write(b->release, done, NULL, b->slots[k].seq) != 0)
-				cudaGetLastError();
+			if (b->slots[k].used && b->slots[k].seq) {
+				words[n].block = b;
+				words[n].done = slot_done(b, &b->slots[k]);
+				words[n++].seq = b->slots[k].seq;
+			}
 		}
-		if (b->device >= 0)
-			cudaStreamSynchronize(b->release);
 	}
-	e->released = true;
+	pthread_mutex_unlock(&e->seq_lock);
+	for (unsigned i = 0; i < n; i++) {
+		struct nc__block *b = words[i].block;
+		if (b->device < 0)
+			atomic_store_explicit((_Atomic uint32_t *)words[i].done, words[i].seq,
+					      memory_order_release);
+		else if (nk_cuda_stream_write(b->release, words[i].done, NULL, words[i].seq) != 0)
+			cudaGetLastError();
+	}
+	for (unsigned i = 0; i < e->block_count; i++) {
+		if (e->blocks[i].device >= 0)
+			cudaStreamSynchronize(e->blocks[i].release);
+	}
 }
 
 /* ---- the watcher: releases the streams when the daemon goes away --------------------- */
@@ -371,9 +393,7 @@ static void *watcher_main(void *arg)
 	}
 	pthread_cond_broadcast(&conn->cond);
 	pthread_mutex_unlock(&conn->lock);
-	pthread_mutex_lock(&e->lock);
-	release_all_slots(e);
-	pthread_mutex_unlock(&e->lock);
+	release_all_slots(e); /* without e->lock: an enqueuer may be stuck holding it */
 	return NULL;
 }
 
@@ -415,6 +435,7 @@ void nc__enqueue_release(nc_conn *conn)
 			close(e->stop_pipe[i]);
 	}
 	pthread_mutex_destroy(&e->lock);
+	pthread_mutex_destroy(&e->seq_lock);
 	nc__free(e);
 	conn->enqueue = NULL;
 }
@@ -458,8 +479,8 @@ static int pending_error(nc_conn *conn)
 /* ---- the calls ---------------------------------------------------------------------- */
 
 /* Queues the stream side of one job and sends it; the enqueue lock is held. */
-static int enqueue_locked(nc_conn *conn, struct nc__block *b, struct nc__slot *slot,
-			  const struct nc_job *job, void *stream)
+static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block *b,
+			  struct nc__slot *slot, const struct nc_job *job, void *stream)
 {
 	uint32_t seq = slot->seq + 1;
 	size_t offset = slot_offset(b, slot);
@@ -472,6 +493,11 @@ static int enqueue_locked(nc_conn *conn, struct nc__block *b, struct nc__slot *s
 		return nc__fail(NC_EINVALID_ARGUMENT,
 				"cannot queue the semaphore operations on the caller's stream");
 	}
+	/* The stream waits for seq now: the watcher releases it from here on. */
+	pthread_mutex_lock(&e->seq_lock);
+	slot->seq = seq;
+	bool released = e->released;
+	pthread_mutex_unlock(&e->seq_lock);
 	Normd__Job msg;
 	Normd__Tensor ts[11];
 	nc__job_to_msg(job, &msg, ts);
@@ -492,9 +518,10 @@ static int enqueue_locked(nc_conn *conn, struct nc__block *b, struct nc__slot *s
 	pthread_mutex_unlock(&conn->lock);
 	env.has_request_id = true;
 	env.request_id = id;
+	if (rc == 0 && released)
+		rc = nc__fail(NC_EDISCONNECTED, "the connection to normd is gone");
 	if (rc == 0)
 		rc = nc__send(conn, &env, -1);
-	slot->seq = seq; /* the stream waits for it: it must be released below if not sent */
 	if (rc == 0)
 		return 0;
 	pthread_mutex_lock(&conn->lock);
@@ -524,8 +551,10 @@ NC_API int nc_job_enqueue(nc_conn *conn, const struct nc_job *job, void *stream)
 	pthread_mutex_lock(&e->lock);
 	struct nc__block *b = NULL;
 	struct nc__slot *slot = NULL;
+	pthread_mutex_lock(&e->seq_lock);
 	if (e->released)
 		rc = nc__fail(NC_EDISCONNECTED, "the connection to normd is gone");
+	pthread_mutex_unlock(&e->seq_lock);
 	if (rc == 0)
 		rc = block_for(conn, e, device, &b);
 	if (rc == 0 && !(slot = slot_for(b, stream, true)))
@@ -533,7 +562,7 @@ NC_API int nc_job_enqueue(nc_conn *conn, const struct nc_job *job, void *stream)
 			      "more than %d streams enqueue on device %d of this connection",
 			      NC__SLOTS, device);
 	if (rc == 0)
-		rc = enqueue_locked(conn, b, slot, job, stream);
+		rc = enqueue_locked(conn, e, b, slot, job, stream);
 	if (rc == 0)
 		watcher_start(conn, e);
 	pthread_mutex_unlock(&e->lock);
