@@ -296,11 +296,11 @@ NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *strea
  * The enqueue completion mode (docs/ENQUEUE.md), the one to use from a
  * training loop: the job is ordered with `stream` on the GPU and neither
  * this thread nor the daemon waits for it. `stream` (a cudaStream_t; NULL is
- * the legacy default stream) signals a semaphore word once the work queued
+ * the legacy default stream) writes a semaphore word once the work queued
  * on it so far is done and then waits, on the GPU, for the daemon's done
- * word; the daemon's own stream for this caller stream waits for that
- * signal, runs the job and writes done. Returns once the request is sent:
- * work queued on `stream` afterwards sees the job's outputs.
+ * word; the daemon watches the first word, launches the job on a stream of
+ * its own for this caller stream and writes done after it. Returns once the
+ * request is sent: work queued on `stream` afterwards sees the job's outputs.
  *
  * On the CPU backend `stream` is any key naming an order (jobs with the same
  * key run in order); the caller's memory is ready when it calls, and
@@ -319,9 +319,10 @@ NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *strea
  * connection (else NC_ERESOURCE_EXHAUSTED). When the daemon holds
  * max_jobs_in_flight unfinished jobs of the connection, it reads the next
  * request only once one finishes; the call then blocks in send() if the
- * socket is full. Any thread; calls on one connection are serialized.
- * Call nc_close() only after the streams that enqueued have no work left
- * (it releases them regardless).
+ * socket is full. WGRAD_ACCUM is not enqueued (NC_EUNSUPPORTED). Any
+ * thread; calls on one connection are serialized. Call nc_close() only
+ * after the streams that enqueued have no work left (it releases them
+ * regardless).
  */
 NC_API int nc_job_enqueue(nc_conn *conn, const struct nc_job *job, void *stream);
 
@@ -329,7 +330,9 @@ NC_API int nc_job_enqueue(nc_conn *conn, const struct nc_job *job, void *stream)
  * Waits at most `timeout_ms` (< 0: no limit) until the daemon has answered
  * every job enqueued so far on `conn` and returns the first asynchronous
  * error not yet reported (and forgets it), NC_EDISCONNECTED, NC_ETIMEOUT,
- * or NC_OK. It does not wait for the jobs to run on the GPU.
+ * or NC_OK. The daemon answers an enqueued job when it launches it, that is
+ * once the caller's stream has reached it (CPU backend: once it ran), so
+ * call it after the streams have been synchronized, or with a timeout.
  */
 NC_API int nc_conn_check(nc_conn *conn, int timeout_ms);
 
