@@ -180,6 +180,8 @@ void reply_stats(struct client *c, uint64_t request_id)
 	stats.n_errors_by_status = NORMD__STATUS__INTERNAL + 1;
 	stats.errors_by_status = srv->stats.errors_by_status;
 	stats.backend = (char *)srv->backend->name;
+	stats.has_mps = srv->backend->kind == NORMD__BACKEND_KIND__BACKEND_CUDA;
+	stats.mps = srv->backend->mps;
 	stats_fill_reply(srv, &stats);
 	Normd__Limits limits;
 	reply_fill_limits(srv->cfg, &limits);

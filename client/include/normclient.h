@@ -431,6 +431,8 @@ struct nc_stats {
 	uint64_t bytes_processed;
 	uint64_t errors_by_status[16]; /* every reply, indexed by wire status value */
 	char backend[16];
+	bool has_mps;                 /* CUDA backend: `mps` is reported */
+	bool mps;                     /* its contexts run under NVIDIA MPS */
 	struct nc_op_stats ops[NC_STATS_OPS]; /* indexed by enum nc_op */
 	uint32_t device_count;
 	struct nc_device_stats devices[NC_STATS_DEVICES];

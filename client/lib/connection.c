@@ -782,6 +782,8 @@ NC_API int nc_stats_get(nc_conn *conn, int timeout_ms, struct nc_stats *out)
 	for (size_t i = 0; i < s->n_errors_by_status && i < 16; i++)
 		out->errors_by_status[i] = s->errors_by_status[i];
 	copy_string(out->backend, sizeof(out->backend), s->backend);
+	out->has_mps = s->has_mps;
+	out->mps = s->mps;
 	stats_copy_ops(out, s);
 	stats_copy_devices(out, s);
 	size_t reasons = sizeof(out->rejections) / sizeof(out->rejections[0]);

@@ -114,6 +114,9 @@ void statsfmt_text(FILE *out, const struct nc_stats *s)
 			fprintf(out, " %s=%llu", nc_status_name(-(int)i),
 				(unsigned long long)s->errors_by_status[i]);
 	}
+	if (s->has_mps)
+		fprintf(out, "\nmps              %s", s->mps ? "yes" : "no (each hand-off between a "
+				 "client's enqueued work and the daemon's is a context switch)");
 	uint64_t all[NC_LATENCY_BUCKETS];
 	hist_all(s, all);
 	fprintf(out,
@@ -212,7 +215,10 @@ void statsfmt_json(FILE *out, const struct nc_stats *s)
 			(unsigned long long)s->errors_by_status[i]);
 	uint64_t all[NC_LATENCY_BUCKETS];
 	hist_all(s, all);
-	fprintf(out, "},\"latency_us\":");
+	fprintf(out, "},");
+	if (s->has_mps)
+		fprintf(out, "\"mps\":%s,", s->mps ? "true" : "false");
+	fprintf(out, "\"latency_us\":");
 	json_percentiles(out, all);
 	fprintf(out, ",\"ops\":{");
 	bool first = true;
@@ -389,6 +395,9 @@ void statsfmt_prometheus(FILE *out, const struct nc_stats *s, const char *versio
 	prom_family(out, "normd_info", "gauge", "The daemon's version and backend (always 1).");
 	fprintf(out, "normd_info{version=\"%s\",backend=\"%s\"} 1\n", version ? version : "",
 		s->backend);
+	if (s->has_mps)
+		prom_gauge(out, "normd_mps", "Whether the daemon's CUDA contexts run under NVIDIA MPS.",
+			   s->mps);
 	prom_gauge(out, "normd_uptime_seconds", "Seconds since the daemon started.",
 		   (double)s->uptime_ms / 1e3);
 	prom_gauge(out, "normd_clients", "Open client connections.", s->clients);
