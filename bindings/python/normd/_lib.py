@@ -147,6 +147,7 @@ class NcServerInfo(ctypes.Structure):
         ("max_mapped_bytes", ctypes.c_uint64),
         ("device_count", ctypes.c_uint32),
         ("device_index", ctypes.c_int * 16),
+        ("mps", ctypes.c_bool),  # the daemon's CUDA contexts run under NVIDIA MPS
     ]
 
 
@@ -207,6 +208,8 @@ class NcStats(ctypes.Structure):
         ("bytes_processed", ctypes.c_uint64),
         ("errors_by_status", ctypes.c_uint64 * 16),
         ("backend", ctypes.c_char * 16),
+        ("has_mps", ctypes.c_bool),  # CUDA backend: `mps` is reported
+        ("mps", ctypes.c_bool),      # its contexts run under NVIDIA MPS
         ("ops", NcOpStats * STATS_OPS),
         ("device_count", ctypes.c_uint32),
         ("devices", NcDeviceStats * STATS_DEVICES),
