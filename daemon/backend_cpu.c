@@ -25,19 +25,19 @@ struct backend_cpu {
 
 static void cpu_run_job(struct backend_cpu *cpu, struct job *job)
 {
-	job->t_start_ns = server_now_ns();
+	job->t_start_ns = stats_now_ns();
 	if (job->deadline_us && (job->t_start_ns - job->t_arrive_ns) / 1000 > job->deadline_us) {
 		job->status = NC_EOUT_OF_RANGE;
 		snprintf(job->message, sizeof(job->message),
 			 "deadline of %llu us passed before the job could start",
 			 (unsigned long long)job->deadline_us);
-		job->t_end_ns = server_now_ns();
+		job->t_end_ns = stats_now_ns();
 		return;
 	}
 	struct nk_cpu_opts opts = {.precision = NK_CPU_FP32, .threads = cpu->threads_per_job};
 	struct nk_norm_result result = {0};
 	int rc = job->wgrad ? nk_cpu_wgrad(&job->gemm, &opts) : nk_cpu_norm(&job->args, &opts, &result);
-	job->t_end_ns = server_now_ns();
+	job->t_end_ns = stats_now_ns();
 	job->clamped_cols = result.clamped_cols;
 	snprintf(job->variant, sizeof(job->variant), "cpu/%s/fp32/t%d", job->wgrad ? "gemm" : "norm",
 		 cpu->threads_per_job);

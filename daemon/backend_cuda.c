@@ -460,8 +460,8 @@ static int worker_wait_client(struct cuda_worker *w, struct job *job)
 	 */
 	cudaError_t state;
 	int rc = 0;
-	uint64_t until = server_now_ns() + EVENT_GRACE_NS;
-	while ((state = cudaEventQuery(event)) == cudaErrorNotReady && server_now_ns() < until)
+	uint64_t until = stats_now_ns() + EVENT_GRACE_NS;
+	while ((state = cudaEventQuery(event)) == cudaErrorNotReady && stats_now_ns() < until)
 		sched_yield();
 	if (state == cudaErrorNotReady && cudaStreamWaitEvent(w->stream, event, 0) != cudaSuccess) {
 		cudaGetLastError();
@@ -488,9 +488,9 @@ static void worker_early_reply(struct cuda_worker *w, struct job *job)
 {
 	if (!job->early_reply)
 		return;
-	uint64_t until = server_now_ns() + EVENT_GRACE_NS;
+	uint64_t until = stats_now_ns() + EVENT_GRACE_NS;
 	cudaError_t state;
-	while ((state = cudaStreamQuery(w->stream)) == cudaErrorNotReady && server_now_ns() < until)
+	while ((state = cudaStreamQuery(w->stream)) == cudaErrorNotReady && stats_now_ns() < until)
 		sched_yield();
 	if (state != cudaErrorNotReady)
 		return; /* done (or failed): answered as usual after worker_sync */
@@ -531,7 +531,7 @@ static void worker_early_reply(struct cuda_worker *w, struct job *job)
 static int worker_sync(struct cuda_worker *w, struct job *job, uint64_t launched_ns)
 {
 	cudaError_t err = cudaStreamSynchronize(w->stream);
-	job->t_end_ns = job->t_start_ns + (server_now_ns() - launched_ns);
+	job->t_end_ns = job->t_start_ns + (stats_now_ns() - launched_ns);
 	if (err == cudaSuccess)
 		return 0;
 	cuda_set_fatal(w->dev->backend, w->dev->ordinal, err);
@@ -561,7 +561,7 @@ static void worker_run_wgrad(struct cuda_worker *w, struct job *job)
 	}
 	if (worker_wait_client(w, job))
 		return;
-	uint64_t launched_ns = server_now_ns();
+	uint64_t launched_ns = stats_now_ns();
 	int rc = nk_cublas_wgrad(w->cublas, &job->gemm, &why);
 	snprintf(job->variant, sizeof(job->variant), "cublas/gemm_ex/%s",
 		 nk_dtype_name(job->gemm.dtype));
@@ -578,7 +578,7 @@ static void worker_run_wgrad(struct cuda_worker *w, struct job *job)
 static void worker_run(struct cuda_worker *w, struct job *job)
 {
 	struct backend_cuda *cuda = w->dev->backend;
-	job->t_start_ns = server_now_ns();
+	job->t_start_ns = stats_now_ns();
 	job->t_end_ns = job->t_start_ns;
 	if (atomic_load(&cuda->fatal))
 		return worker_fail(job, NC_EDEVICE_ERROR, "the device failed earlier: %s",
@@ -597,7 +597,7 @@ static void worker_run(struct cuda_worker *w, struct job *job)
 	if (worker_wait_client(w, job))
 		return;
 	struct nk_cuda_exec exec = {w->stream, w->workspace, w->workspace_bytes, w->clamped};
-	uint64_t launched_ns = server_now_ns();
+	uint64_t launched_ns = stats_now_ns();
 	int rc = nk_cuda_norm(&job->args, &w->dev->info, &v, &exec, &ran);
 	if (rc == NK_OK) {
 		nk_variant_name(&ran, job->variant, sizeof(job->variant));
@@ -634,11 +634,11 @@ static struct job *worker_next(struct cuda_device *dev, uint64_t spin_until)
 		}
 		if (dev->stopping)
 			break;
-		if (server_now_ns() < spin_until) {
+		if (stats_now_ns() < spin_until) {
 			dev->spinning++;
 			uv_mutex_unlock(&dev->lock);
 			while (atomic_load_explicit(&dev->queued, memory_order_acquire) == 0 &&
-			       server_now_ns() < spin_until)
+			       stats_now_ns() < spin_until)
 				sched_yield(); /* a loaded host's other threads come first */
 			uv_mutex_lock(&dev->lock);
 			dev->spinning--;
@@ -661,7 +661,7 @@ static void worker_main(void *arg)
 	while ((job = worker_next(dev, spin_until)) != NULL) {
 		worker_run(w, job);
 		job_post_completion(job);
-		spin_until = server_now_ns() + spin_ns;
+		spin_until = stats_now_ns() + spin_ns;
 	}
 }
 
@@ -684,7 +684,7 @@ static void launcher_run(struct cuda_launcher *l, struct job *job)
 	struct cuda_device *dev = l->dev;
 	struct estream *es = job->estream;
 	struct cuda_estream *ce = es->backend_state;
-	job->t_start_ns = job->t_end_ns = server_now_ns();
+	job->t_start_ns = job->t_end_ns = stats_now_ns();
 	if (job->status == NC_OK && atomic_load(&ce->abandoned))
 		launcher_fail(job, NC_ESHUTTING_DOWN, "the client disconnected");
 	if (job->status == NC_OK && atomic_load(&dev->backend->fatal))
@@ -805,15 +805,15 @@ static void launcher_main(void *arg)
 {
 	struct cuda_launcher *l = arg;
 	uint64_t spin_ns = l->dev->backend->busy_poll_us * 1000;
-	uint64_t last_progress = server_now_ns();
+	uint64_t last_progress = stats_now_ns();
 	cudaSetDevice(l->dev->ordinal);
 	for (;;) {
-		bool idle = !l->waiting && server_now_ns() - last_progress > spin_ns;
+		bool idle = !l->waiting && stats_now_ns() - last_progress > spin_ns;
 		struct job *newest = l->waiting_tail;
 		if (!launcher_take(l, idle && atomic_load(&l->queued) == 0))
 			break;
 		if (l->waiting_tail != newest)
-			last_progress = server_now_ns(); /* new work: watch it closely for a while */
+			last_progress = stats_now_ns(); /* new work: watch it closely for a while */
 		if (l->stopping) {
 			/* Leaving: what still waits is failed (the loop abandons every stream first). */
 			for (struct job *j = l->waiting; j; j = j->next)
@@ -821,9 +821,9 @@ static void launcher_main(void *arg)
 					     true);
 		}
 		if (launcher_scan(l) > 0) {
-			last_progress = server_now_ns();
+			last_progress = stats_now_ns();
 		} else if (atomic_load(&l->queued) == 0) {
-			uint64_t quiet = server_now_ns() - last_progress;
+			uint64_t quiet = stats_now_ns() - last_progress;
 			if (quiet < spin_ns) {
 				sched_yield();
 			} else if (l->waiting) {

@@ -166,14 +166,14 @@ void client_send(struct client *c, uint8_t *bytes, size_t len)
 		log_warn("event=output_cap client=%llu pid=%d queued=%zu cap=%llu",
 			 (unsigned long long)c->id, (int)c->pid, c->out_bytes,
 			 (unsigned long long)c->srv->cfg->max_output_bytes);
-		server_count_rejection(c->srv, NC_REJECT_OUTPUT_CAP);
+		stats_count_rejection(c->srv, NC_REJECT_OUTPUT_CAP);
 		client_close(c, "client does not read its replies (output queue full)");
 		return;
 	}
 	struct out_chunk *chunk = nc__malloc(sizeof(*chunk));
 	if (!chunk) {
 		nc__free(bytes);
-		server_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
+		stats_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
 		client_close(c, "out of memory queueing a reply");
 		return;
 	}
@@ -260,11 +260,11 @@ static void client_refuse_frame(struct client *c, const uint8_t *body, size_t le
 {
 	char detail[160];
 	if (!strcmp(why, NC__WHY_NO_MEMORY)) {
-		server_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
+		stats_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
 		reply_result(c, 0, NC_ERESOURCE_EXHAUSTED, "out of memory decoding a frame; closing");
 	} else {
 		nc__envelope_explain(body, len, detail, sizeof(detail));
-		server_count_rejection(c->srv, NC_REJECT_BAD_FRAME);
+		stats_count_rejection(c->srv, NC_REJECT_BAD_FRAME);
 		reply_result(c, 0, NC_EPROTOCOL_ERROR, "undecodable frame (%s); closing",
 			     strcmp(detail, "malformed envelope") ? detail : why);
 	}
@@ -279,7 +279,7 @@ static void client_process_input(struct client *c)
 	       c->in_len - pos >= NC__FRAME_HEADER_BYTES) {
 		uint32_t body = nc__frame_length(c->in_buf + pos);
 		if (body > c->srv->cfg->max_frame) {
-			server_count_rejection(c->srv, NC_REJECT_FRAME_TOO_LARGE);
+			stats_count_rejection(c->srv, NC_REJECT_FRAME_TOO_LARGE);
 			reply_result(c, 0, NC_EPROTOCOL_ERROR,
 				     "frame of %u bytes exceeds max_frame %llu; closing", body,
 				     (unsigned long long)c->srv->cfg->max_frame);

@@ -17,14 +17,14 @@
 static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__Hello *hello)
 {
 	if (c->hello_done) {
-		server_count_rejection(c->srv, NC_REJECT_BAD_REQUEST);
+		stats_count_rejection(c->srv, NC_REJECT_BAD_REQUEST);
 		reply_result(c, request_id, NC_EPROTOCOL_ERROR, "Hello sent twice");
 		return;
 	}
 	/* Version 1 lacks only the enqueue mode: its clients are still served. */
 	if (hello->protocol_version < 1 ||
 	    hello->protocol_version > NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION) {
-		server_count_rejection(c->srv, NC_REJECT_BAD_VERSION);
+		stats_count_rejection(c->srv, NC_REJECT_BAD_VERSION);
 		reply_result(c, request_id, NC_EPROTOCOL_ERROR,
 			     "protocol_version %u is not supported (server speaks %u); closing",
 			     hello->protocol_version, NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION);
@@ -63,9 +63,9 @@ static void register_finish(struct client *c, uint64_t request_id, uint64_t regi
 		}
 	}
 	if (rc) {
-		server_count_rejection(c->srv, rc == NC_ENOMEM || rc == NC_ERESOURCE_EXHAUSTED
-						       ? NC_REJECT_OUT_OF_MEMORY
-						       : NC_REJECT_BAD_REGION);
+		stats_count_rejection(c->srv, rc == NC_ENOMEM || rc == NC_ERESOURCE_EXHAUSTED
+						  ? NC_REJECT_OUT_OF_MEMORY
+						  : NC_REJECT_BAD_REGION);
 		reply_result(c, request_id, rc, "region %llu: %s", (unsigned long long)region_id,
 			     why);
 		return;
@@ -122,7 +122,7 @@ static void register_off_loop(struct client *c, uint64_t request_id,
 	if (!w) {
 		if (fd >= 0)
 			close(fd);
-		server_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
+		stats_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
 		reply_result(c, request_id, NC_ENOMEM, "region %llu: out of memory",
 			     (unsigned long long)msg->region_id);
 		return;
@@ -178,7 +178,7 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 	if (rc) {
 		if (fd >= 0)
 			close(fd);
-		server_count_rejection(c->srv, reason);
+		stats_count_rejection(c->srv, reason);
 		reply_result(c, request_id, rc, "%s", why);
 		return;
 	}
@@ -201,7 +201,7 @@ static void dispatch_unregister(struct client *c, uint64_t request_id,
 {
 	struct region *region = region_remove(&c->regions, msg->region_id);
 	if (!region) {
-		server_count_rejection(c->srv, NC_REJECT_UNKNOWN_REGION);
+		stats_count_rejection(c->srv, NC_REJECT_UNKNOWN_REGION);
 		reply_result(c, request_id, NC_ENOT_FOUND, "region %llu is not registered",
 			     (unsigned long long)msg->region_id);
 		return;
@@ -215,7 +215,7 @@ void dispatch_envelope(struct client *c, Normd__Envelope *env)
 	uint64_t id = env->has_request_id ? env->request_id : 0;
 	Normd__Envelope__BodyCase body = env->body_case;
 	if (!c->hello_done && body != NORMD__ENVELOPE__BODY_HELLO) {
-		server_count_rejection(c->srv, NC_REJECT_BEFORE_HELLO);
+		stats_count_rejection(c->srv, NC_REJECT_BEFORE_HELLO);
 		reply_result(c, id, NC_EPROTOCOL_ERROR, "the first message must be Hello; closing");
 		c->close_after_flush = true;
 		goto out;
@@ -246,7 +246,7 @@ void dispatch_envelope(struct client *c, Normd__Envelope *env)
 		client_close(c, "goodbye");
 		break;
 	default:
-		server_count_rejection(c->srv, NC_REJECT_BAD_REQUEST);
+		stats_count_rejection(c->srv, NC_REJECT_BAD_REQUEST);
 		reply_result(c, id, NC_EPROTOCOL_ERROR,
 			     "message type %d is not a request the daemon accepts", (int)body);
 		break;

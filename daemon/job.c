@@ -402,14 +402,14 @@ static void job_submit_enqueued(struct client *c, uint64_t request_id, const Nor
 	char why[160];
 	int rc = estream_for_job(c, msg->enqueue, -1, &es, why, sizeof(why));
 	if (rc) {
-		server_count_rejection(srv, rc == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
-							   : NC_REJECT_BAD_JOB);
+		stats_count_rejection(srv, rc == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
+							       : NC_REJECT_BAD_JOB);
 		reply_result(c, request_id, rc, "%s", why);
 		return;
 	}
 	struct job *job = nc__calloc(1, sizeof(*job));
 	if (!job) {
-		server_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
+		stats_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
 		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED, "out of memory for a job");
 		return;
 	}
@@ -417,20 +417,20 @@ static void job_submit_enqueued(struct client *c, uint64_t request_id, const Nor
 	job->request_id = request_id;
 	job->op = msg->op;
 	job->deadline_us = msg->has_deadline_us ? msg->deadline_us : 0;
-	job->t_arrive_ns = server_now_ns();
+	job->t_arrive_ns = stats_now_ns();
 	job->estream = es;
 	job->seq = msg->enqueue->seq;
 	if (job_validate(job, &c->regions, srv->cfg, msg) != 0) {
-		server_count_rejection(srv, job->status == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
-									 : NC_REJECT_BAD_JOB);
+		stats_count_rejection(srv, job->status == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
+									: NC_REJECT_BAD_JOB);
 	} else if (job->device != es->device) {
 		job_refuse(job, NC_EINVALID_ARGUMENT,
 			   "enqueue: the semaphore slot is on device %d, the job's tensors on %d",
 			   es->device, job->device);
-		server_count_rejection(srv, NC_REJECT_BAD_JOB);
+		stats_count_rejection(srv, NC_REJECT_BAD_JOB);
 	} else if (srv->draining) {
 		job_refuse(job, NC_ESHUTTING_DOWN, "the daemon is shutting down");
-		server_count_rejection(srv, NC_REJECT_SHUTTING_DOWN);
+		stats_count_rejection(srv, NC_REJECT_SHUTTING_DOWN);
 	}
 	estream_push(es, job);
 }
@@ -443,12 +443,12 @@ void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 		return;
 	}
 	if (srv->draining) {
-		server_count_rejection(srv, NC_REJECT_SHUTTING_DOWN);
+		stats_count_rejection(srv, NC_REJECT_SHUTTING_DOWN);
 		reply_result(c, request_id, NC_ESHUTTING_DOWN, "the daemon is shutting down");
 		return;
 	}
 	if (c->jobs_in_flight >= srv->cfg->max_jobs_in_flight) {
-		server_count_rejection(srv, NC_REJECT_LIMIT_JOBS_IN_FLIGHT);
+		stats_count_rejection(srv, NC_REJECT_LIMIT_JOBS_IN_FLIGHT);
 		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED,
 			     "max_jobs_in_flight (%llu) reached; wait for replies first",
 			     (unsigned long long)srv->cfg->max_jobs_in_flight);
@@ -456,7 +456,7 @@ void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 	}
 	struct job *job = nc__calloc(1, sizeof(*job));
 	if (!job) {
-		server_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
+		stats_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
 		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED, "out of memory for a job");
 		return;
 	}
@@ -464,10 +464,10 @@ void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 	job->request_id = request_id;
 	job->op = msg->op;
 	job->deadline_us = msg->has_deadline_us ? msg->deadline_us : 0;
-	job->t_arrive_ns = server_now_ns();
+	job->t_arrive_ns = stats_now_ns();
 	if (job_validate(job, &c->regions, srv->cfg, msg) != 0)
-		server_count_rejection(srv, job->status == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
-									 : NC_REJECT_BAD_JOB);
+		stats_count_rejection(srv, job->status == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
+									: NC_REJECT_BAD_JOB);
 	else
 		job->status = srv->backend->submit(srv->backend, job);
 	if (job->status != NC_OK) {

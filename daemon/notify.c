@@ -125,7 +125,7 @@ static void notify_devices(const struct server *srv, char *buf, size_t len)
 /* The one STATUS= line: what a person wants to see in `systemctl status`. */
 static void notify_status(struct server *srv)
 {
-	uint64_t now = server_now_ns();
+	uint64_t now = stats_now_ns();
 	uint64_t jobs = srv->stats.jobs_ok + srv->stats.jobs_failed;
 	double seconds = (double)(now - status_last_ns) / 1e9;
 	double rate = seconds > 0 ? (double)(jobs - status_last_jobs) / seconds : 0.0;
@@ -170,7 +170,7 @@ int notify_start(struct server *srv)
 		return 0;
 	}
 	notify_parse_watchdog();
-	status_last_ns = server_now_ns();
+	status_last_ns = stats_now_ns();
 	status_last_jobs = srv->stats.jobs_ok + srv->stats.jobs_failed;
 	char devices[160];
 	notify_devices(srv, devices, sizeof(devices));

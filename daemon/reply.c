@@ -42,7 +42,7 @@ void reply_result(struct client *c, uint64_t request_id, int status, const char 
 		log_debug("event=refused client=%llu request=%llu status=%s message=\"%s\"",
 			  (unsigned long long)c->id, (unsigned long long)request_id,
 			  nc_status_name(status), message);
-	server_count_status(c->srv, status);
+	stats_count_status(c->srv, status);
 	Normd__Result result = NORMD__RESULT__INIT;
 	result.status = nc__status_to_wire(status);
 	result.message = message;
@@ -112,7 +112,7 @@ void reply_hello(struct client *c, uint64_t request_id)
 	env.request_id = request_id;
 	env.body_case = NORMD__ENVELOPE__BODY_HELLO_REPLY;
 	env.hello_reply = &hello;
-	server_count_status(c->srv, NC_OK);
+	stats_count_status(c->srv, NC_OK);
 	reply_send(c, &env);
 }
 
@@ -142,7 +142,7 @@ void reply_job(struct client *c, const struct job *job)
 	env.request_id = job->request_id;
 	env.body_case = NORMD__ENVELOPE__BODY_JOB_REPLY;
 	env.job_reply = &reply;
-	server_count_status(c->srv, job->status);
+	stats_count_status(c->srv, job->status);
 	reply_send(c, &env);
 }
 
@@ -167,7 +167,7 @@ void reply_stats(struct client *c, uint64_t request_id)
 	stats.has_jobs_ok = stats.has_jobs_failed = stats.has_jobs_in_flight = true;
 	stats.has_regions = stats.has_mapped_bytes = stats.has_rss_bytes = true;
 	stats.has_bytes_processed = true;
-	stats.uptime_ms = (server_now_ns() - srv->start_ns) / 1000000;
+	stats.uptime_ms = (stats_now_ns() - srv->start_ns) / 1000000;
 	stats.clients = srv->client_count;
 	stats.clients_total = srv->stats.clients_total;
 	stats.jobs_ok = srv->stats.jobs_ok;
@@ -194,7 +194,7 @@ void reply_stats(struct client *c, uint64_t request_id)
 	env.request_id = request_id;
 	env.body_case = NORMD__ENVELOPE__BODY_STATS_REPLY;
 	env.stats_reply = &stats;
-	server_count_status(srv, NC_OK);
+	stats_count_status(srv, NC_OK);
 	reply_send(c, &env);
 }
 
@@ -266,7 +266,7 @@ void reply_variants(struct client *c, uint64_t request_id)
 	env.request_id = request_id;
 	env.body_case = NORMD__ENVELOPE__BODY_VARIANTS_REPLY;
 	env.variants_reply = &variants;
-	server_count_status(c->srv, NC_OK);
+	stats_count_status(c->srv, NC_OK);
 	reply_send(c, &env);
 	nc__free(rows);
 	nc__free(entries);

@@ -1,7 +1,7 @@
 /*
  * The server: the listening socket, accepting (with peer credentials and the
- * allow lists), signals, the SIGTERM drain, the before-poll hook that frees
- * closed clients, and the counters behind Stats.
+ * allow lists), signals, the SIGTERM drain, and the before-poll hook that
+ * frees closed clients. The counters behind Stats are in stats.c.
  */
 #include "daemon/server.h"
 
@@ -12,7 +12,6 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "daemon/log.h"
@@ -20,26 +19,6 @@
 
 struct server *server_instance;
 uint64_t server_test_fail_alloc;
-
-uint64_t server_now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-void server_count_rejection(struct server *srv, enum nc_reject_reason reason)
-{
-	if ((int)reason >= 0 && reason < NC_REJECT_COUNT)
-		srv->stats.rejections[reason]++;
-}
-
-void server_count_status(struct server *srv, int status)
-{
-	Normd__Status wire = nc__status_to_wire(status);
-	if ((int)wire >= 0 && (int)wire <= NORMD__STATUS__INTERNAL)
-		srv->stats.errors_by_status[wire]++;
-}
 
 /* ---- the listening socket ------------------------------------------------------ */
 
@@ -185,7 +164,7 @@ static void server_accept_one(struct server *srv, int fd)
 	if (!server_peer_allowed(srv, fd, &cred)) {
 		log_warn("event=refused pid=%d uid=%d gid=%d reason=\"uid/gid not allowed\"",
 			 (int)cred.pid, (int)cred.uid, (int)cred.gid);
-		server_count_rejection(srv, NC_REJECT_PEER_NOT_ALLOWED);
+		stats_count_rejection(srv, NC_REJECT_PEER_NOT_ALLOWED);
 		server_refuse(fd, NC_EINVALID_ARGUMENT,
 			      "permission denied: this uid/gid is not in allow_uid/allow_gid");
 		return;
@@ -193,12 +172,12 @@ static void server_accept_one(struct server *srv, int fd)
 	if (srv->client_count >= srv->cfg->max_clients) {
 		log_warn("event=refused pid=%d uid=%d reason=\"max_clients reached\"", (int)cred.pid,
 			 (int)cred.uid);
-		server_count_rejection(srv, NC_REJECT_LIMIT_CLIENTS);
+		stats_count_rejection(srv, NC_REJECT_LIMIT_CLIENTS);
 		server_refuse(fd, NC_ERESOURCE_EXHAUSTED, "max_clients reached; try again later");
 		return;
 	}
 	if (client_create(srv, fd, cred.pid, cred.uid, cred.gid) != 0) {
-		server_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
+		stats_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
 		server_refuse(fd, NC_ERESOURCE_EXHAUSTED, "out of memory for a new client");
 		return;
 	}
@@ -238,7 +217,7 @@ static void server_poll_completions(uv_idle_t *handle)
 	struct server *srv = handle->data;
 	job_drain_completions(&srv->completion_async);
 	uint64_t linger_ns = srv->cfg->busy_poll_us * 1000;
-	if (srv->jobs_in_flight == 0 && server_now_ns() - srv->last_job_ns > linger_ns) {
+	if (srv->jobs_in_flight == 0 && stats_now_ns() - srv->last_job_ns > linger_ns) {
 		/* From here workers wake the loop again; take what came meanwhile. */
 		atomic_store(&srv->loop_polling, false);
 		uv_idle_stop(handle);
@@ -248,7 +227,7 @@ static void server_poll_completions(uv_idle_t *handle)
 
 void server_job_started(struct server *srv)
 {
-	srv->last_job_ns = server_now_ns();
+	srv->last_job_ns = stats_now_ns();
 	if (srv->backend->poll_completions && !uv_is_active((uv_handle_t *)&srv->completion_poll)) {
 		uv_idle_start(&srv->completion_poll, server_poll_completions);
 		atomic_store(&srv->loop_polling, true);
@@ -406,7 +385,7 @@ int server_run(const struct config *cfg, struct backend *backend)
 	srv.loop = uv_default_loop();
 	srv.cfg = cfg;
 	srv.backend = backend;
-	srv.start_ns = server_now_ns();
+	srv.start_ns = stats_now_ns();
 	server_instance = &srv;
 	if (server_init_access(&srv))
 		return 1;

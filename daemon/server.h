@@ -413,6 +413,12 @@ void stats_count_job(struct server *srv, const struct job *job, bool ran);
 void stats_fill_reply(struct server *srv, Normd__StatsReply *reply);
 /* The histogram bucket of a latency in microseconds. */
 unsigned stats_latency_bucket(uint64_t us);
+/* Counts a reply status in the stats. */
+void stats_count_status(struct server *srv, int status);
+/* Counts one refused connection, frame or request under its reason. */
+void stats_count_rejection(struct server *srv, enum nc_reject_reason reason);
+/* CLOCK_MONOTONIC in nanoseconds: job arrival, start and end times. Any thread. */
+uint64_t stats_now_ns(void);
 
 struct server {
 	uv_loop_t *loop;
@@ -454,10 +460,6 @@ extern struct server *server_instance;
 int server_run(const struct config *cfg, struct backend *backend);
 /* A job was handed to the backend: poll for completions if the backend wants. */
 void server_job_started(struct server *srv);
-/* Counts a reply status in the stats. */
-void server_count_status(struct server *srv, int status);
-/* Counts one refused connection, frame or request under its reason. */
-void server_count_rejection(struct server *srv, enum nc_reject_reason reason);
 /*
  * Test hook, set by main() from NORMD_TEST_FAIL_ALLOC: once the server is
  * listening, allocation number N (through nc__malloc and friends) fails,
@@ -468,6 +470,5 @@ extern uint64_t server_test_fail_alloc;
 void server_fail(struct server *srv, const char *why);
 /* Re-checks whether a drain has finished. */
 void server_drain_check(struct server *srv);
-uint64_t server_now_ns(void);
 
 #endif /* NORMD_SERVER_H */

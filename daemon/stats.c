@@ -1,13 +1,37 @@
 /*
- * The counters behind Stats that go beyond totals: jobs by op and status, a
- * latency histogram per op (log2 buckets of microseconds, so percentiles are
- * good to a factor of two at any scale and updating costs one bit scan), and
- * jobs, bytes and busy time per device. The loop thread owns all of it:
- * jobs are counted when they are answered (job.c), never by workers.
+ * The counters behind Stats: replies by status, refusals by reason, and,
+ * beyond totals, jobs by op and status, a latency histogram per op (log2
+ * buckets of microseconds, so percentiles are good to a factor of two at any
+ * scale and updating costs one bit scan), and jobs, bytes and busy time per
+ * device; also the monotonic clock that stamps jobs for them. The loop
+ * thread owns all the counters: jobs are counted when they are answered
+ * (job.c), never by workers.
  */
 #include "daemon/server.h"
 
+#include <time.h>
+
 #include "proto/frame.h"
+
+uint64_t stats_now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void stats_count_rejection(struct server *srv, enum nc_reject_reason reason)
+{
+	if ((int)reason >= 0 && reason < NC_REJECT_COUNT)
+		srv->stats.rejections[reason]++;
+}
+
+void stats_count_status(struct server *srv, int status)
+{
+	Normd__Status wire = nc__status_to_wire(status);
+	if ((int)wire >= 0 && (int)wire <= NORMD__STATUS__INTERNAL)
+		srv->stats.errors_by_status[wire]++;
+}
 
 unsigned stats_latency_bucket(uint64_t us)
 {
@@ -42,7 +66,7 @@ void stats_count_job(struct server *srv, const struct job *job, bool ran)
 	}
 	if (!ran)
 		return;
-	uint64_t latency_us = (server_now_ns() - job->t_arrive_ns) / 1000;
+	uint64_t latency_us = (stats_now_ns() - job->t_arrive_ns) / 1000;
 	uint64_t device_us = job->t_start_ns && job->t_end_ns >= job->t_start_ns
 				 ? (job->t_end_ns - job->t_start_ns) / 1000
 				 : 0;

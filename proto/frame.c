@@ -85,21 +85,11 @@ void nc__free(void *ptr)
 
 /* ---- status names and mapping ---------------------------------------------- */
 
-NC_API const char *nc_strerror(int status)
-{
-	switch (status) {
-	case NC_OK:
-		return "ok";
-#define NC__STATUS_TEXT(name, value, text)                                                 \
-	case NC_E##name:                                                                   \
-		return text;
-		NC_STATUS_MAP(NC__STATUS_TEXT)
-#undef NC__STATUS_TEXT
-	default:
-		return "unknown status";
-	}
-}
-
+/*
+ * nc_status_name() is here rather than in client/lib/status.c with
+ * nc_strerror() because the daemon logs refusals with it (daemon/reply.c)
+ * and links this file, not the library.
+ */
 NC_API const char *nc_status_name(int status)
 {
 	switch (status) {
@@ -112,19 +102,6 @@ NC_API const char *nc_status_name(int status)
 #undef NC__STATUS_NAME
 	default:
 		return "UNKNOWN";
-	}
-}
-
-NC_API const char *nc_reject_name(int reason)
-{
-	switch (reason) {
-#define NC__REJECT_TEXT(name, value, text)                                                 \
-	case NC_REJECT_##name:                                                             \
-		return text;
-		NC_REJECT_MAP(NC__REJECT_TEXT)
-#undef NC__REJECT_TEXT
-	default:
-		return "unknown";
 	}
 }
 

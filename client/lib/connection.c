@@ -444,6 +444,20 @@ int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms)
 	return rc;
 }
 
+int nc__call_expect(nc_conn *conn, Normd__Envelope *env, int timeout_ms,
+		    Normd__Envelope__BodyCase expected, const char *what, Normd__Envelope **reply)
+{
+	int rc = nc__call(conn, env, -1, timeout_ms, reply);
+	if (rc)
+		return rc;
+	if ((*reply)->body_case != expected) {
+		nc__envelope_free(*reply);
+		*reply = NULL;
+		return nc__fail(NC_EPROTOCOL_ERROR, "unexpected reply to %s", what);
+	}
+	return 0;
+}
+
 /*
  * Reads and files what has arrived, without waiting: enqueued jobs' replies
  * are taken in passing by the next call. Does nothing while another thread reads.
@@ -542,16 +556,11 @@ static int connect_socket(const char *path, int *out)
 	return 0;
 }
 
-static void copy_string(char *dst, size_t len, const char *src)
-{
-	snprintf(dst, len, "%s", src ? src : "");
-}
-
 static void keep_server_info(nc_conn *conn, const Normd__HelloReply *hello)
 {
 	struct nc_server_info *info = &conn->info;
-	copy_string(info->version, sizeof(info->version), hello->server_version);
-	copy_string(info->backend, sizeof(info->backend),
+	nc__copy_string(info->version, sizeof(info->version), hello->server_version);
+	nc__copy_string(info->backend, sizeof(info->backend),
 		    hello->backend == NORMD__BACKEND_KIND__BACKEND_CUDA ? "cuda" : "cpu");
 	info->server_pid = hello->server_pid;
 	info->mps = hello->mps;
@@ -685,162 +694,4 @@ NC_API void nc_close(nc_conn *conn)
 NC_API const struct nc_server_info *nc_server_info(const nc_conn *conn)
 {
 	return conn ? &conn->info : NULL;
-}
-
-/* nc__call() for requests with a reply type of their own: any other reply is a protocol error. */
-static int call_expect(nc_conn *conn, Normd__Envelope *env, int timeout_ms,
-		       Normd__Envelope__BodyCase expected, const char *what, Normd__Envelope **reply)
-{
-	int rc = nc__call(conn, env, -1, timeout_ms, reply);
-	if (rc)
-		return rc;
-	if ((*reply)->body_case != expected) {
-		nc__envelope_free(*reply);
-		*reply = NULL;
-		return nc__fail(NC_EPROTOCOL_ERROR, "unexpected reply to %s", what);
-	}
-	return 0;
-}
-
-NC_API int nc_ping(nc_conn *conn, int timeout_ms)
-{
-	if (!conn)
-		return nc__fail(NC_EINVALID_ARGUMENT, "conn is NULL");
-	Normd__Ping ping = NORMD__PING__INIT;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.body_case = NORMD__ENVELOPE__BODY_PING;
-	env.ping = &ping;
-	Normd__Envelope *reply;
-	int rc = call_expect(conn, &env, timeout_ms, NORMD__ENVELOPE__BODY_PONG, "Ping", &reply);
-	if (rc == 0)
-		nc__envelope_free(reply);
-	return rc;
-}
-
-/* Per-op counters; slots beyond NC_STATS_OPS are dropped. */
-static void stats_copy_ops(struct nc_stats *out, const Normd__StatsReply *s)
-{
-	for (size_t i = 0; i < s->n_ops; i++) {
-		const Normd__OpStats *m = s->ops[i];
-		if ((unsigned)m->op >= NC_STATS_OPS)
-			continue;
-		struct nc_op_stats *o = &out->ops[m->op];
-		for (size_t k = 0; k < m->n_jobs_by_status && k < 16; k++)
-			o->jobs_by_status[k] = m->jobs_by_status[k];
-		o->bytes = m->bytes;
-		o->device_us = m->device_us;
-		o->latency_us_sum = m->latency_us_sum;
-		for (size_t k = 0; k < m->n_latency_buckets; k++) {
-			/* A longer histogram from a newer daemon folds into the open last bucket. */
-			size_t b = k < NC_LATENCY_BUCKETS ? k : NC_LATENCY_BUCKETS - 1;
-			o->latency_buckets[b] += m->latency_buckets[k];
-		}
-	}
-}
-
-static void stats_copy_devices(struct nc_stats *out, const Normd__StatsReply *s)
-{
-	for (size_t i = 0; i < s->n_devices && out->device_count < NC_STATS_DEVICES; i++) {
-		const Normd__DeviceStats *m = s->devices[i];
-		struct nc_device_stats *d = &out->devices[out->device_count++];
-		d->index = m->index;
-		d->jobs_ok = m->jobs_ok;
-		d->jobs_failed = m->jobs_failed;
-		d->bytes = m->bytes;
-		d->busy_us = m->busy_us;
-		d->has_variant_cache = m->has_variant_cache_hits || m->has_variant_cache_misses;
-		d->variant_cache_hits = m->variant_cache_hits;
-		d->variant_cache_misses = m->variant_cache_misses;
-	}
-}
-
-NC_API int nc_stats_get(nc_conn *conn, int timeout_ms, struct nc_stats *out)
-{
-	if (!conn || !out)
-		return nc__fail(NC_EINVALID_ARGUMENT, "conn and out must not be NULL");
-	Normd__StatsRequest req = NORMD__STATS_REQUEST__INIT;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.body_case = NORMD__ENVELOPE__BODY_STATS;
-	env.stats = &req;
-	Normd__Envelope *reply;
-	int rc = call_expect(conn, &env, timeout_ms, NORMD__ENVELOPE__BODY_STATS_REPLY, "Stats",
-			     &reply);
-	if (rc)
-		return rc;
-	const Normd__StatsReply *s = reply->stats_reply;
-	memset(out, 0, sizeof(*out));
-	out->uptime_ms = s->uptime_ms;
-	out->clients = s->clients;
-	out->clients_total = s->clients_total;
-	out->jobs_ok = s->jobs_ok;
-	out->jobs_failed = s->jobs_failed;
-	out->jobs_in_flight = s->jobs_in_flight;
-	out->regions = s->regions;
-	out->mapped_bytes = s->mapped_bytes;
-	out->rss_bytes = s->rss_bytes;
-	out->bytes_processed = s->bytes_processed;
-	for (size_t i = 0; i < s->n_errors_by_status && i < 16; i++)
-		out->errors_by_status[i] = s->errors_by_status[i];
-	copy_string(out->backend, sizeof(out->backend), s->backend);
-	out->has_mps = s->has_mps;
-	out->mps = s->mps;
-	stats_copy_ops(out, s);
-	stats_copy_devices(out, s);
-	size_t reasons = sizeof(out->rejections) / sizeof(out->rejections[0]);
-	for (size_t i = 0; i < s->n_rejections && i < reasons; i++)
-		out->rejections[i] = s->rejections[i];
-	if (s->limits) {
-		out->limits.max_clients = s->limits->max_clients;
-		out->limits.max_frame = s->limits->max_frame;
-		out->limits.max_regions = s->limits->max_regions;
-		out->limits.max_jobs_in_flight = s->limits->max_jobs_in_flight;
-		out->limits.max_mapped_bytes = s->limits->max_mapped_bytes;
-		out->limits.max_output_bytes = s->limits->max_output_bytes;
-		out->limits.max_cols = s->limits->max_cols;
-	}
-	nc__envelope_free(reply);
-	return 0;
-}
-
-NC_API int nc_variants_get(nc_conn *conn, int timeout_ms, struct nc_variant_info **out,
-			   size_t *count)
-{
-	if (!conn || !out || !count)
-		return nc__fail(NC_EINVALID_ARGUMENT, "conn, out and count must not be NULL");
-	Normd__VariantsRequest req = NORMD__VARIANTS_REQUEST__INIT;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.body_case = NORMD__ENVELOPE__BODY_VARIANTS;
-	env.variants = &req;
-	Normd__Envelope *reply;
-	int rc = call_expect(conn, &env, timeout_ms, NORMD__ENVELOPE__BODY_VARIANTS_REPLY,
-			     "Variants", &reply);
-	if (rc)
-		return rc;
-	const Normd__VariantsReply *v = reply->variants_reply;
-	struct nc_variant_info *list = nc__calloc(v->n_entries ? v->n_entries : 1, sizeof(*list));
-	if (!list) {
-		nc__envelope_free(reply);
-		return nc__fail(NC_ENOMEM, "out of memory for the variant list");
-	}
-	for (size_t i = 0; i < v->n_entries; i++) {
-		const Normd__VariantEntry *e = v->entries[i];
-		list[i].device = e->device;
-		list[i].op = (enum nc_op)e->op;
-		list[i].dtype = (enum nc_dtype)e->dtype;
-		list[i].weight_dtype = (enum nc_dtype)e->weight_dtype;
-		list[i].flags = e->flags;
-		list[i].cols = e->cols;
-		copy_string(list[i].variant, sizeof(list[i].variant), e->variant);
-		copy_string(list[i].source, sizeof(list[i].source), e->source);
-		list[i].uses = e->uses;
-	}
-	*out = list;
-	*count = v->n_entries;
-	nc__envelope_free(reply);
-	return 0;
-}
-
-NC_API void nc_variants_free(struct nc_variant_info *list)
-{
-	nc__free(list);
 }

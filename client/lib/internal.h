@@ -1,7 +1,8 @@
 /*
  * libnormclient's private interface between its files: the connection
- * (connection.c), regions (region.c), jobs (job.c) and the error table and
- * per-thread messages (status.c).
+ * (connection.c), regions (region.c), jobs (job.c), the enqueue mode
+ * (enqueue.c), the daemon's counters and state (stats.c, inspect.c) and the
+ * error table and per-thread messages (status.c).
  */
 #ifndef NORMCLIENT_INTERNAL_H
 #define NORMCLIENT_INTERNAL_H
@@ -9,6 +10,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "normclient.h"
 #include "normd.pb-c.h"
@@ -88,6 +90,19 @@ int nc__call(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms,
 
 /* Sends `env` and waits for a Result; returns its status (message recorded). */
 int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms);
+
+/*
+ * nc__call() for requests with a reply type of their own: any other reply
+ * (`what` names the request in the message) is NC_EPROTOCOL_ERROR.
+ */
+int nc__call_expect(nc_conn *conn, Normd__Envelope *env, int timeout_ms,
+		    Normd__Envelope__BodyCase expected, const char *what, Normd__Envelope **reply);
+
+/* Copies a string from a reply (NULL: "") into a fixed array, truncating. */
+static inline void nc__copy_string(char *dst, size_t len, const char *src)
+{
+	snprintf(dst, len, "%s", src ? src : "");
+}
 
 /*
  * nc_job_submit with the IPC-event mode's wait_event (64 bytes; NULL: none)

@@ -37,7 +37,7 @@ void server_job_started(struct server *srv)
 {
 	(void)srv;
 }
-void server_count_rejection(struct server *srv, enum nc_reject_reason reason)
+void stats_count_rejection(struct server *srv, enum nc_reject_reason reason)
 {
 	(void)srv, (void)reason;
 }
@@ -49,7 +49,7 @@ void server_drain_check(struct server *srv)
 {
 	(void)srv;
 }
-uint64_t server_now_ns(void)
+uint64_t stats_now_ns(void)
 {
 	return 0;
 }
