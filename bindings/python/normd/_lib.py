@@ -46,6 +46,7 @@ STATUS_CODES = {
     "IO": -100,
     "TIMEOUT": -101,
     "NOMEM": -102,
+    "DISCONNECTED": -103,  # the enqueue mode: the daemon died or dropped the connection
 }
 
 
@@ -275,6 +276,12 @@ _PROTOTYPES = {
     "nc_job_run": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _c_int, ctypes.POINTER(NcJobResult)]),
     "nc_job_run_on_stream": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _c_void_p, _c_int,
                                       ctypes.POINTER(NcJobResult)]),
+    "nc_job_run_event": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _c_void_p, _c_int,
+                                  ctypes.POINTER(NcJobResult)]),
+    # The enqueue mode (docs/ENQUEUE.md).
+    "nc_job_enqueue": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _c_void_p]),
+    "nc_conn_check": (_c_int, [_c_void_p, _c_int]),
+    "nc_stream_wait": (_c_int, [_c_void_p, _c_void_p, _c_int]),
     "nc_stats_get": (_c_int, [_c_void_p, _c_int, ctypes.POINTER(NcStats)]),
     "nc_latency_quantile_us": (ctypes.c_double, [ctypes.POINTER(ctypes.c_uint64), ctypes.c_double]),
     "nc_variants_get": (_c_int, [_c_void_p, _c_int, ctypes.POINTER(ctypes.POINTER(NcVariantInfo)),

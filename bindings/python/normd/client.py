@@ -14,6 +14,10 @@ from .host import HostRegion, host_error, numpy_dtype, to_bf16
 DEFAULT_SOCKET = "/run/normd/0.sock"
 DEFAULT_TIMEOUT_MS = 30000
 
+#: How normd.normalization completes jobs on CUDA tensors (see completion_mode()).
+COMPLETION_MODES = ("enqueue", "sync", "event")
+DEFAULT_COMPLETION = "enqueue"
+
 _EXPANDABLE_HINT = (
     " -- PyTorch allocates such memory when PYTORCH_CUDA_ALLOC_CONF contains "
     "expandable_segments:True (or backend:cudaMallocAsync); normd needs cudaMalloc memory "
@@ -174,8 +178,12 @@ class Client:
     backend); CUDA torch tensors are registered on first use, one
     registration per cudaMalloc allocation (``device_tensor()``), cached for
     the life of the connection. Jobs: ``run()`` (waits; with ``stream=`` it
-    orders the job after the work queued on that CUDA stream) and
-    ``submit()`` (returns a PendingJob). Every failure raises NormdError.
+    orders the job after the work queued on that CUDA stream; with
+    ``event=True`` it returns once the job is queued, through interprocess
+    events), ``enqueue()`` (the enqueue mode: ordered with a CUDA stream on
+    the GPU, returns once sent; ``check()`` and ``stream_wait()`` collect its
+    errors) and ``submit()`` (returns a PendingJob). Every failure raises
+    NormdError.
 
     A client may be used from several threads. Close it with ``close()`` or
     a ``with`` block; one that is garbage collected or still open at exit is
@@ -469,7 +477,7 @@ class Client:
             raise NormdError(rc, _lib.text(result.message))
         return JobResult(result)
 
-    def run(self, op, rows, cols, *, stream=None, timeout_ms=None, **job_args):
+    def run(self, op, rows, cols, *, stream=None, timeout_ms=None, event=False, **job_args):
         """Runs one job and waits for it; returns a JobResult or raises NormdError.
 
         The arguments are make_job()'s. stream: a cudaStream_t as an int
@@ -477,25 +485,101 @@ class Client:
         the work queued on it and is complete when run() returns, so work
         queued afterwards sees its outputs (nc_job_run_on_stream). When the
         job names CUDA torch tensors and no stream is given, the current
-        stream of their device is used.
+        stream of their device is used. event=True (CUDA backend): the
+        IPC-event mode (nc_job_run_event): run() returns once the daemon has
+        queued the job, and work queued on `stream` afterwards runs after it;
+        the result then has no device_us and no clamped_cols.
         """
         job, keep = self.make_job(op, rows, cols, **job_args)
         if stream is None:
             stream = _current_stream_of(keep)
-        return self.run_job(job, stream=stream, timeout_ms=timeout_ms, keepalive=keep)
+        return self.run_job(job, stream=stream, timeout_ms=timeout_ms, keepalive=keep,
+                            event=event)
 
-    def run_job(self, job, *, stream=None, timeout_ms=None, keepalive=()):
-        """Runs a prepared NcJob (see make_job); `keepalive` is kept if it times out."""
+    def run_job(self, job, *, stream=None, timeout_ms=None, keepalive=(), event=False):
+        """Runs a prepared NcJob (see make_job); `keepalive` is kept if it times out.
+
+        event=True uses nc_job_run_event on `stream` (None: the legacy
+        default stream); see run().
+        """
         result = _lib.NcJobResult()
         timeout = self.timeout_ms if timeout_ms is None else int(timeout_ms)
         handle = self._handle()
-        if stream is None:
+        if event:
+            rc = self._lib.nc_job_run_event(handle, ctypes.byref(job),
+                                            ctypes.c_void_p(int(stream or 0)), timeout,
+                                            ctypes.byref(result))
+        elif stream is None:
             rc = self._lib.nc_job_run(handle, ctypes.byref(job), timeout, ctypes.byref(result))
         else:
             rc = self._lib.nc_job_run_on_stream(handle, ctypes.byref(job),
                                                 ctypes.c_void_p(int(stream)), timeout,
                                                 ctypes.byref(result))
         return self._finish(rc, result, keepalive)
+
+    # ---- the enqueue mode (docs/ENQUEUE.md) ---------------------------------------
+
+    def enqueue(self, op, rows, cols, *, stream=None, **job_args):
+        """Queues one job ordered with `stream` and returns once it is sent; returns None.
+
+        The arguments are make_job()'s. stream: a cudaStream_t as an int; the
+        job runs, on the GPU, after the work queued on it so far, and work
+        queued on it afterwards sees the job's outputs (nc_job_enqueue). No
+        CPU waits. When the job names CUDA torch tensors and no stream is
+        given, the current stream of their device is used; else 0 (on the
+        CPU backend, any int is a key naming an order: jobs with the same key
+        run in order; stream_wait(key) waits for them).
+
+        Memory: the call returns before the job ran, so its tensors must
+        stay valid until `stream` reaches it. PyTorch's caching allocator
+        reuses a freed block in the order of the stream it was allocated on,
+        so tensors allocated on `stream` (e.g. while it is the current
+        stream) are safe to drop at once; a tensor allocated on another
+        stream needs ``tensor.record_stream(...)``, as for any kernel queued
+        on `stream`. Host arrays stay mapped until their region is freed.
+
+        Errors: what the library can check (op, shapes, dtypes, regions,
+        bounds) raises NormdError here and queues nothing; a job the daemon
+        refuses or fails later has its outputs filled with NaN and its error
+        raised by the next enqueue() (which then queues nothing), check() or
+        stream_wait(). WGRAD_ACCUM cannot be enqueued (UNSUPPORTED). A
+        daemon that dies: DISCONNECTED, and the streams are released.
+        """
+        job, keep = self.make_job(op, rows, cols, **job_args)
+        if stream is None:
+            stream = _current_stream_of(keep) or 0
+        self.enqueue_job(job, stream=stream)
+
+    def enqueue_job(self, job, *, stream=0):
+        """Enqueues a prepared NcJob (see make_job and enqueue()) on `stream`."""
+        check(self._lib.nc_job_enqueue(self._handle(), ctypes.byref(job),
+                                       ctypes.c_void_p(int(stream or 0))))
+
+    def check(self, timeout_ms=None):
+        """Collects the enqueue mode's asynchronous errors (nc_conn_check).
+
+        Waits at most timeout_ms (default: the client's timeout; negative: no
+        limit) until the daemon has answered every job enqueued so far on
+        this connection, then raises NormdError for the first error not yet
+        reported (each is reported once), DISCONNECTED or TIMEOUT. The
+        daemon answers a job when the caller's stream has reached it, so
+        call it after synchronizing the streams (e.g.
+        ``torch.cuda.synchronize()``), or with a short timeout.
+        """
+        timeout = self.timeout_ms if timeout_ms is None else int(timeout_ms)
+        check(self._lib.nc_conn_check(self._handle(), timeout))
+
+    def stream_wait(self, stream=0, timeout_ms=None):
+        """Waits on the host until every job enqueued on `stream` has completed.
+
+        stream: the cudaStream_t (as an int) or CPU-backend key that
+        enqueue() was given (0: the legacy default stream / key 0). CUDA: until
+        the stream is idle. Then raises as check() does (nc_stream_wait).
+        timeout_ms: default the client's timeout; negative: no limit.
+        """
+        timeout = self.timeout_ms if timeout_ms is None else int(timeout_ms)
+        check(self._lib.nc_stream_wait(self._handle(), ctypes.c_void_p(int(stream or 0)),
+                                       timeout))
 
     def submit(self, op, rows, cols, **job_args):
         """Sends a job without waiting; returns a PendingJob to wait() on.
@@ -524,6 +608,54 @@ def latency_quantile_us(buckets, quantile):
     """nc_latency_quantile_us over a stats latency histogram (a list of 32 counts)."""
     array = (ctypes.c_uint64 * _lib.LATENCY_BUCKETS)(*buckets)
     return _lib.load().nc_latency_quantile_us(array, float(quantile))
+
+
+# ---- the completion mode of normd.normalization --------------------------------------
+
+_completion = None  # set_completion_mode()'s choice; None: $NORMD_COMPLETION
+
+
+def _checked_mode(mode, what):
+    name = str(mode).strip().lower()
+    if name not in COMPLETION_MODES:
+        raise ValueError("%s=%r: the completion mode is one of %s"
+                         % (what, mode, ", ".join(COMPLETION_MODES)))
+    return name
+
+
+def completion_mode():
+    """How normd.normalization completes jobs on CUDA tensors: "enqueue", "sync" or "event".
+
+    - "enqueue" (the default): nc_job_enqueue on the current stream; the call
+      returns once the job is sent and the job runs in stream order, as a
+      CUDA kernel would. A job the daemon refuses later fills its outputs
+      with NaN and its error is raised by a later call (or Client.check()).
+    - "sync": nc_job_run_on_stream; the call waits for the job (it
+      synchronizes the current stream first).
+    - "event": nc_job_run_event; interprocess CUDA events order the job
+      with the current stream and the call returns once it is queued.
+
+    set_completion_mode() decides for this process; until it is called (or
+    after set_completion_mode(None)) $NORMD_COMPLETION does, read at each
+    call. ValueError for any other value.
+    """
+    if _completion is not None:
+        return _completion
+    env = os.environ.get("NORMD_COMPLETION", "").strip()
+    return _checked_mode(env, "NORMD_COMPLETION") if env else DEFAULT_COMPLETION
+
+
+def set_completion_mode(mode):
+    """Sets the completion mode of this process (None: back to $NORMD_COMPLETION).
+
+    Returns the previous setting (None if there was none), so that
+    ``old = set_completion_mode("sync"); ...; set_completion_mode(old)``
+    restores it.
+    """
+    global _completion
+    old, _completion = _completion, (None if mode is None
+                                     else _checked_mode(mode, "completion mode"))
+    return old
 
 
 # ---- the default client ----------------------------------------------------------

@@ -8,10 +8,17 @@ class NormdError(RuntimeError):
 
     Attributes:
         status: the status name from the shared table, e.g. ``"INVALID_ARGUMENT"``,
-            ``"NOT_FOUND"``, ``"UNSUPPORTED"``, ``"TIMEOUT"``.
+            ``"NOT_FOUND"``, ``"UNSUPPORTED"``, ``"TIMEOUT"``, or
+            ``"DISCONNECTED"`` (enqueue mode: the daemon died or dropped the
+            connection; streams waiting on it were released).
         code: the library's negative status code (``NC_E*``).
         message: the daemon's one-line explanation (from the job's reply), or
             the library's (``nc_last_error()``).
+
+    In the enqueue mode (``Client.enqueue``) an error may belong to an
+    earlier job: the daemon's later refusals come back from the next
+    ``enqueue()``, ``check()`` or ``stream_wait()``, as CUDA's asynchronous
+    errors do, and the message names the request.
 
     It derives from RuntimeError, which is what PyTorch code usually catches.
     """
