@@ -22,6 +22,16 @@ Checks (tests/python/torch_checks.py holds the shared ones):
 - non-contiguous inputs, the functional forms, apex's signatures, errors,
   autocast (apex casts to the autocast dtype);
 - ordering with the current stream (a side stream with pending work);
+- the completion modes: the enqueue mode is the default (FusedLayerNorm and
+  FusedRMSNorm forward and backward against torch's own, the calls going
+  through Client.enqueue_job and none through run_job, the daemon's
+  jobs_ok counter moving by one per job, a dependent chain queued without
+  synchronizing, the call returning before work queued ahead of it on the
+  stream finished); the sync mode (normd.set_completion_mode and
+  NORMD_COMPLETION=sync: run_job, waits for that work) and the event mode
+  likewise; a slice of the module matrix in the sync mode (the full matrix
+  runs in the default enqueue mode); Client.enqueue / stream_wait / check
+  with CUDA tensors and WGRAD_ACCUM refused (UNSUPPORTED);
 - Client.run with CUDA tensors (RMSNORM_FWD, WGRAD_ACCUM);
 - one registration per caching-allocator segment;
 - a small transformer trained 200 steps with normd's norms and with
@@ -103,6 +113,207 @@ def check_stream_ordering():
         ref = F.layer_norm(x.double(), (2048,), eps=1e-5)
     torch.cuda.synchronize()
     checks.expect_close("side stream", y, ref, checks.TOL[torch.float32])
+
+
+# ---- the completion modes ----------------------------------------------------------------
+
+
+class CallCounter:
+    """Counts the client's enqueue_job and run_job calls (and run_job's event=True ones)."""
+
+    def __init__(self, client):
+        self.client = client
+        self.enqueued = self.ran = self.events = 0
+
+    def __enter__(self):
+        enqueue_job, run_job = self.client.enqueue_job, self.client.run_job
+
+        def counted_enqueue(*args, **kwargs):
+            self.enqueued += 1
+            return enqueue_job(*args, **kwargs)
+
+        def counted_run(*args, **kwargs):
+            self.ran += 1
+            self.events += bool(kwargs.get("event"))
+            return run_job(*args, **kwargs)
+
+        self.client.enqueue_job, self.client.run_job = counted_enqueue, counted_run
+        return self
+
+    def __exit__(self, *exc):
+        del self.client.enqueue_job, self.client.run_job  # back to the class's methods
+
+
+def wait_jobs_ok(client, target, timeout=5.0):
+    """The daemon's jobs_ok once it reaches target (it counts a job when it retires it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = client.stats()["jobs_ok"]
+        if now >= target or time.monotonic() > deadline:
+            return now
+        time.sleep(0.01)
+
+
+def fwd_bwd_against_torch(client, mode, dtype):
+    """FusedLayerNorm and FusedRMSNorm forward+backward in `mode`; checks what ran where.
+
+    Fresh random values every call, so a job that did nothing cannot pass on
+    what a reused block held.
+    """
+    assert normd.completion_mode() == mode, (normd.completion_mode(), mode)
+    tol = checks.TOL[dtype]
+    for name in ("FusedLayerNorm", "FusedRMSNorm"):
+        rms = name == "FusedRMSNorm"
+        module = getattr(N, name)((8, 256), eps=1e-5, client=client).to(DEVICE, dtype)
+        with torch.no_grad():
+            module.weight.uniform_(0.5, 1.5)
+            if not rms:
+                module.bias.normal_()
+        x = (torch.randn(4, 16, 8, 256, device=DEVICE) * 2 + 0.3).to(dtype).requires_grad_()
+        grad = torch.randn(4, 16, 8, 256, device=DEVICE).to(dtype)
+        torch.cuda.synchronize()
+        before = client.stats()["jobs_ok"]
+        with CallCounter(client) as calls:
+            y = module(x)
+            y.backward(grad)
+            # Queued after the jobs on the same stream, before any synchronization.
+            y2 = y.detach() * 2
+            dx2 = x.grad * 2
+        torch.cuda.synchronize()
+        if mode == "enqueue":
+            client.check()
+            assert (calls.enqueued, calls.ran) == (2, 0), (name, calls.enqueued, calls.ran)
+        else:
+            assert (calls.enqueued, calls.ran, calls.events) == \
+                (0, 2, 2 if mode == "event" else 0), (name, calls.enqueued, calls.ran)
+        after = wait_jobs_ok(client, before + 2)
+        assert after == before + 2, "%s: the daemon's jobs_ok moved %d -> %d, expected +2" \
+            % (name, before, after)
+        x_ref = x.detach().clone().requires_grad_()
+        w_ref = module.weight.detach().clone().requires_grad_()
+        b_ref = None if rms else module.bias.detach().clone().requires_grad_()
+        y_ref = checks.torch_reference(rms, x_ref, (8, 256), w_ref, b_ref, 1e-5)
+        y_ref.backward(grad)
+        label = "%s %s %s" % (mode, name, str(dtype).replace("torch.", ""))
+        checks.expect_close(label + " y", y2 / 2, y_ref.detach(), 2 * tol)
+        checks.expect_close(label + " dx", dx2 / 2, x_ref.grad, 2 * tol)
+        checks.expect_close(label + " dweight", module.weight.grad, w_ref.grad, 2 * tol)
+        if not rms:
+            checks.expect_close(label + " dbias", module.bias.grad, b_ref.grad, 2 * tol)
+
+
+def check_enqueue_is_default(client):
+    """Without a setting the enqueue mode runs: results, calls and counters (fp32, bf16)."""
+    os.environ.pop("NORMD_COMPLETION", None)
+    old = normd.set_completion_mode(None)
+    try:
+        assert normd.completion_mode() == "enqueue"
+        for dtype in (torch.float32, torch.bfloat16):
+            fwd_bwd_against_torch(client, "enqueue", dtype)
+    finally:
+        normd.set_completion_mode(old)
+
+
+def check_other_mode(client, mode, through_env):
+    """The sync or event mode, chosen by NORMD_COMPLETION or normd.set_completion_mode."""
+    old = normd.set_completion_mode(None if through_env else mode)
+    if through_env:
+        os.environ["NORMD_COMPLETION"] = mode
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            fwd_bwd_against_torch(client, mode, dtype)
+    finally:
+        os.environ.pop("NORMD_COMPLETION", None)
+        normd.set_completion_mode(old)
+
+
+def check_enqueue_chain():
+    """20 dependent norms and matmuls queued without synchronizing, against torch's chain."""
+    os.environ.pop("NORMD_COMPLETION", None)
+    assert normd.completion_mode() == "enqueue"
+    a = torch.randn(1024, 1024, device=DEVICE) / 32
+    x = torch.randn(512, 1024, device=DEVICE)
+    ref = x.clone()
+    for _ in range(20):
+        x = N.fused_rms_norm(x, (1024,), 1e-5) @ a
+        ref = checks.rms_reference(ref, (1024,), None, 1e-5) @ a
+    torch.cuda.synchronize()
+    checks.expect_close("enqueued chain", x, ref, 1e-3)
+
+
+def busy_work(a, iters):
+    x = a
+    for _ in range(iters):
+        x = torch.tanh(x @ a) * 0.5
+    return x
+
+
+def check_enqueue_returns_early(client):
+    """The enqueue call returns before work queued ahead of it ran; the sync call waits."""
+    a = torch.randn(4096, 4096, device=DEVICE) / 64
+    busy_work(a, 2)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    busy_work(a, 10)
+    end.record()
+    torch.cuda.synchronize()
+    iters = max(10, int(10 * 300.0 / max(start.elapsed_time(end), 1e-3)))  # about 300 ms
+    timings = {}
+    for mode in ("enqueue", "sync", "enqueue"):  # the first enqueue warms up (registration)
+        old = normd.set_completion_mode(mode)
+        try:
+            pending = busy_work(a, iters)
+            t0 = time.monotonic()
+            y = N.fused_layer_norm(pending, (4096,), 1e-5)
+            timings[mode] = time.monotonic() - t0
+            ref = F.layer_norm(pending, (4096,), eps=1e-5)
+            torch.cuda.synchronize()
+            t_all = time.monotonic() - t0
+            checks.expect_close("%s after pending work" % mode, y, ref.double(), 1e-4)
+        finally:
+            normd.set_completion_mode(old)
+    print("      pending GPU work %.0f ms: the call took %.1f ms (enqueue), %.1f ms (sync)"
+          % (t_all * 1e3, timings["enqueue"] * 1e3, timings["sync"] * 1e3))
+    assert timings["enqueue"] < 0.25 * t_all, timings
+    assert timings["sync"] > 0.5 * t_all, timings
+    client.check()
+
+
+def sync_module_cases():
+    """A slice of the module matrix for the sync mode (the full one runs in the default)."""
+    for case in checks.module_cases():
+        if case[4] in ((8, 64), (3, 5, 12, 20)):
+            yield case
+
+
+def check_raw_enqueue(client):
+    """Client.enqueue with CUDA tensors on a side stream; stream_wait, check; WGRAD refused."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # the tensors are allocated on the job's stream
+        x = torch.randn(64, 1024, device=DEVICE, dtype=torch.bfloat16) * 3
+        y = torch.full_like(x, float("nan"))
+        rstd = torch.empty(64, device=DEVICE)
+        before = client.stats()["jobs_ok"]
+        client.enqueue("RMSNORM_FWD", 64, 1024, x=x, y=y, rstd=rstd)  # the current stream
+    client.stream_wait(side.cuda_stream)
+    assert side.query(), "stream_wait returned before the stream was idle"
+    client.check()
+    checks.expect_close("raw enqueue", y, checks.rms_reference(x.double(), (1024,), None, 1e-5),
+                        checks.TOL[torch.bfloat16])
+    assert wait_jobs_ok(client, before + 1) == before + 1
+    tokens, n_in, n_out = 64, 128, 96
+    wx = torch.randn(tokens, n_in, device=DEVICE, dtype=torch.bfloat16)
+    dy = torch.randn(tokens, n_out, device=DEVICE, dtype=torch.bfloat16)
+    main_grad = torch.zeros(n_out, n_in, device=DEVICE)
+    try:
+        client.enqueue("WGRAD_ACCUM", tokens, n_in, out_features=n_out, x=wx, dy=dy,
+                       main_grad=main_grad)
+    except normd.NormdError as err:
+        assert err.status == "UNSUPPORTED", str(err)
+    else:
+        raise AssertionError("WGRAD_ACCUM was enqueued")
+    client.check()
 
 
 def check_registration_cache(client):
@@ -210,6 +421,9 @@ def main(argv):
         return 1
     print("torch %s on %s; library %s" % (torch.__version__, torch.cuda.get_device_name(0),
                                           os.environ["NORMD_LIBRARY"]), flush=True)
+    # The default completion mode (enqueue) runs unless a check picks another.
+    os.environ.pop("NORMD_COMPLETION", None)
+    print("completion mode: %s (default)" % normd.completion_mode(), flush=True)
     runner = Runner()
     daemon = Daemon(build / "bin" / "normd", "0", log_level="info", start_timeout=60,
                     stop_timeout=30)
@@ -235,6 +449,26 @@ def main(argv):
         runner.run("errors", checks.check_errors, DEVICE)
         runner.run("autocast", check_autocast)
         runner.run("stream ordering", check_stream_ordering)
+        runner.run("enqueue mode is the default", check_enqueue_is_default, client)
+        runner.run("sync mode (set_completion_mode)", check_other_mode, client, "sync", False)
+        runner.run("sync mode (NORMD_COMPLETION=sync)", check_other_mode, client, "sync", True)
+        runner.run("event mode (set_completion_mode)", check_other_mode, client, "event", False)
+        runner.run("enqueued dependent chain", check_enqueue_chain)
+        runner.run("enqueue returns before the stream's work", check_enqueue_returns_early,
+                   client)
+        runner.run("Client.enqueue with CUDA tensors", check_raw_enqueue, client)
+        old_mode = normd.set_completion_mode("sync")
+        try:
+            cases = list(sync_module_cases())
+            before = runner.failed
+            for case in cases:
+                runner.run("sync module " + checks.case_id(case), checks.check_module, case,
+                           DEVICE, quiet=True)
+            print("%s  %d module cases in the sync mode (%d failed)"
+                  % ("PASS" if runner.failed == before else "FAIL", len(cases),
+                     runner.failed - before), flush=True)
+        finally:
+            normd.set_completion_mode(old_mode)
         runner.run("Client.run with CUDA tensors", check_raw_client, client)
         runner.run("registration cache", check_registration_cache, client)
         runner.run("server info and variants", check_server, client)

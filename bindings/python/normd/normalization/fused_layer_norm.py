@@ -8,7 +8,15 @@ row), so a model's memory use does not change when it swaps apex for normd.
 
 Where the daemon computes: CUDA tensors of float32, float16 or bfloat16,
 through the default client (``normd.default_client()``, or the module's
-``client=``), on the current CUDA stream. The tensors are registered with
+``client=``), on the current CUDA stream. By default in the enqueue mode
+(``nc_job_enqueue``): the job is ordered with the current stream on the
+GPU and the call returns once it is sent, as a CUDA kernel launch does, so
+the outputs are ready for work queued afterwards on that stream; an error
+the daemon reports later (the outputs are then NaN) is raised by the next
+call, as CUDA's asynchronous errors are. ``normd.set_completion_mode()`` or
+``NORMD_COMPLETION=sync|event`` pick the synchronous mode (the call waits
+for the job) or the IPC-event mode instead (see normd.completion_mode).
+The tensors are registered with
 the daemon on first use (CUDA IPC, one registration per cudaMalloc
 allocation of PyTorch's caching allocator, so this does not work with
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: NormdError
@@ -46,7 +54,7 @@ from torch.nn import functional as F
 from torch.nn import init
 
 from .._lib import DType, Op
-from ..client import default_client
+from ..client import completion_mode, default_client
 
 __all__ = [
     "FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm",
@@ -64,6 +72,7 @@ _OUTPUTS = {Op.LAYERNORM_FWD: ("y", "mean", "rstd"), Op.RMSNORM_FWD: ("y", "rstd
             Op.LAYERNORM_BWD: ("dx", "dgamma", "dbeta"), Op.RMSNORM_BWD: ("dx", "dgamma")}
 
 _STAGE_ALIGN = 64
+_STAGE_KEY = 0  # the CPU backend's order key of staged jobs in the enqueue mode
 
 # ---- when the daemon computes ---------------------------------------------------
 
@@ -142,7 +151,21 @@ def _run(client, op, rows, cols, eps, memory_efficient, weight_dtype, tensors):
                 dtype=_DTYPES[first.dtype])
     if first.is_cuda:
         stream = torch.cuda.current_stream(first.device).cuda_stream
-        client.run(op, rows, cols, stream=stream, **args, **tensors)
+        mode = completion_mode()
+        if mode == "enqueue":
+            # The call returns before the GPU ran the job. What the job reads
+            # and writes stays valid until then: the temporaries made for it
+            # (.contiguous() / .float() / .to() copies, the freshly allocated
+            # outputs y, mean, invvar, dx, dgamma, dbeta) were all allocated
+            # on this same current stream, and PyTorch's caching allocator
+            # reuses a freed block only in that stream's order, that is after
+            # the job (the stream waits for the job's done word before any
+            # later work). The caller's own tensors follow torch's rule for
+            # any kernel: one allocated on another stream needs record_stream.
+            client.enqueue(op, rows, cols, stream=stream, **args, **tensors)
+        else:
+            client.run(op, rows, cols, stream=stream, event=(mode == "event"), **args,
+                       **tensors)
     else:
         _run_staged(client, op, rows, cols, args, tensors)
 
@@ -162,8 +185,15 @@ def _run_staged(client, op, rows, cols, args, tensors):
                                    count=t.numel() * t.element_size(), offset=offsets[role])
             staged[role] = raw.view(t.dtype).view(t.shape)
             staged[role].copy_(t)
-        client.run(op, rows, cols, **args,
-                   **{role: (region, offsets[role]) for role in tensors})
+        staged_tensors = {role: (region, offsets[role]) for role in tensors}
+        if completion_mode() == "enqueue":
+            # The enqueue mode on the CPU backend: the stream argument is a
+            # key naming an order, and stream_wait() waits for its jobs (and
+            # raises the daemon's later errors); the copies are read after.
+            client.enqueue(op, rows, cols, stream=_STAGE_KEY, **args, **staged_tensors)
+            client.stream_wait(_STAGE_KEY)
+        else:  # "event" needs CUDA: the CPU backend runs it synchronously
+            client.run(op, rows, cols, **args, **staged_tensors)
         for role in _OUTPUTS[op]:
             if role in tensors:
                 tensors[role].copy_(staged[role])
