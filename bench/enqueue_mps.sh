@@ -8,6 +8,8 @@
 #   mps.txt, mps.json           the benchmark under MPS
 #   normd_mps.log               the normd started under MPS
 #   mps_control.log             what nvidia-cuda-mps-control said
+# The benchmark's output (table on stdout, progress lines on stderr) shows
+# as it comes, and each run ends after BENCH_TIMEOUT seconds at most (1800).
 # Usage: sh bench/enqueue_mps.sh LOG_DIR [BUILD_DIR] [bench_enqueue options...]
 set -u
 logs=${1:?usage: sh bench/enqueue_mps.sh LOG_DIR [BUILD_DIR] [bench_enqueue options...]}
@@ -19,6 +21,25 @@ export LD_LIBRARY_PATH="$build/lib/gpu-host${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 bench="$build/bench/bench_enqueue"
 normd="$build/bin/normd"
 status=0
+limit=${BENCH_TIMEOUT:-1800}
+
+# run_bench TEXT_FILE COMMAND...: runs it with its output shown live and kept
+# in TEXT_FILE; returns its exit status (124/137: it ran past $limit).
+run_bench() {
+	out=$1
+	shift
+	rcfile=$(mktemp /tmp/bench-enqueue-rc.XXXXXX)
+	if command -v timeout >/dev/null 2>&1; then
+		set -- timeout -k 15 "$limit" "$@"
+	fi
+	{
+		"$@" 2>&1
+		echo $? >"$rcfile"
+	} | tee "$out"
+	rc=$(cat "$rcfile")
+	rm -f "$rcfile"
+	return "${rc:-1}"
+}
 
 echo "== without MPS"
 # An MPS daemon left running at the default pipe directory would capture the
@@ -26,11 +47,8 @@ echo "== without MPS"
 if [ -e /tmp/nvidia-mps/control ] && [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
 	echo "warning: an MPS control daemon seems to run at /tmp/nvidia-mps" >&2
 fi
-if NORMD_BIN="$normd" "$bench" --json "$logs/no_mps.json" "$@" >"$logs/no_mps.txt" 2>&1; then
-	cat "$logs/no_mps.txt"
-else
-	echo "bench_enqueue without MPS FAILED (see $logs/no_mps.txt)"
-	tail -20 "$logs/no_mps.txt"
+if ! run_bench "$logs/no_mps.txt" env NORMD_BIN="$normd" "$bench" --json "$logs/no_mps.json" "$@"; then
+	echo "bench_enqueue without MPS FAILED (exit $rc; see $logs/no_mps.txt)"
 	status=1
 fi
 
@@ -88,11 +106,8 @@ until [ -S "$sock" ] && LD_LIBRARY_PATH="$LD_LIBRARY_PATH" "$build/bin/normctl" 
 	sleep 0.1
 done
 grep -h "event=device" "$logs/normd_mps.log" | head -2
-if "$bench" --socket "$sock" --json "$logs/mps.json" "$@" >"$logs/mps.txt" 2>&1; then
-	cat "$logs/mps.txt"
-else
-	echo "bench_enqueue under MPS FAILED (see $logs/mps.txt)"
-	tail -20 "$logs/mps.txt"
+if ! run_bench "$logs/mps.txt" "$bench" --socket "$sock" --json "$logs/mps.json" "$@"; then
+	echo "bench_enqueue under MPS FAILED (exit $rc; see $logs/mps.txt)"
 	status=1
 fi
 exit $status
