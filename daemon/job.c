@@ -19,43 +19,31 @@
 
 #include "daemon/log.h"
 #include "proto/frame.h"
+#include "proto/job_roles.h"
 
-/* Tensor roles, in the order of struct job's region slots. */
-enum tensor_role {
-	T_X, T_Y, T_MEAN, T_RSTD, T_GAMMA, T_BETA, T_DY, T_DX, T_DGAMMA, T_DBETA, T_MAIN_GRAD,
-};
-
-static const char *const role_names[JOB_MAX_TENSORS] = {
-	"x", "y", "mean", "rstd", "gamma", "beta", "dy", "dx", "dgamma", "dbeta", "main_grad",
-};
-
-/* What an op does with each role: unused, required, optional. */
-enum use { U_NONE = 0, U_REQ, U_OPT };
+/*
+ * The tensor roles and what each op does with them are proto/job_roles.h's
+ * table, shared with the library's check of enqueued jobs; a role is also
+ * the index of its slot in struct job's regions.
+ */
+_Static_assert(NC__ROLE_COUNT == JOB_MAX_TENSORS, "a region slot per tensor role");
+_Static_assert(NORMD__OP__LAYERNORM_FWD == 1 && NORMD__OP__LAYERNORM_BWD == 2 &&
+		       NORMD__OP__RMSNORM_FWD == 3 && NORMD__OP__RMSNORM_BWD == 4 &&
+		       NORMD__OP__WGRAD_ACCUM == NC__JOB_OPS,
+	       "the columns of NC__JOB_ROLE_MAP follow normd.Op");
 
 struct op_rules {
 	enum nk_op nk_op;
 	const char *name;
 	bool backward;
-	enum use use[JOB_MAX_TENSORS];
 };
 
-/* Row: x, y, mean, rstd, gamma, beta, dy, dx, dgamma, dbeta, main_grad. */
-static const struct op_rules rules_ln_fwd = {
-	NK_LAYERNORM_FWD, "LAYERNORM_FWD", false,
-	{U_REQ, U_REQ, U_OPT, U_OPT, U_OPT, U_OPT, U_NONE, U_NONE, U_NONE, U_NONE, U_NONE}};
-static const struct op_rules rules_rms_fwd = {
-	NK_RMSNORM_FWD, "RMSNORM_FWD", false,
-	{U_REQ, U_REQ, U_NONE, U_OPT, U_OPT, U_NONE, U_NONE, U_NONE, U_NONE, U_NONE, U_NONE}};
-static const struct op_rules rules_ln_bwd = {
-	NK_LAYERNORM_BWD, "LAYERNORM_BWD", true,
-	{U_REQ, U_NONE, U_REQ, U_REQ, U_OPT, U_OPT, U_REQ, U_REQ, U_OPT, U_OPT, U_NONE}};
-static const struct op_rules rules_rms_bwd = {
-	NK_RMSNORM_BWD, "RMSNORM_BWD", true,
-	{U_REQ, U_NONE, U_NONE, U_REQ, U_OPT, U_NONE, U_REQ, U_REQ, U_OPT, U_NONE, U_NONE}};
+static const struct op_rules rules_ln_fwd = {NK_LAYERNORM_FWD, "LAYERNORM_FWD", false};
+static const struct op_rules rules_rms_fwd = {NK_RMSNORM_FWD, "RMSNORM_FWD", false};
+static const struct op_rules rules_ln_bwd = {NK_LAYERNORM_BWD, "LAYERNORM_BWD", true};
+static const struct op_rules rules_rms_bwd = {NK_RMSNORM_BWD, "RMSNORM_BWD", true};
 /* nk_op is unused for this one: the job goes to the GEMM, not the norm kernels. */
-static const struct op_rules rules_wgrad = {
-	NK_LAYERNORM_FWD, "WGRAD_ACCUM", false,
-	{U_REQ, U_NONE, U_NONE, U_NONE, U_NONE, U_NONE, U_REQ, U_NONE, U_NONE, U_NONE, U_REQ}};
+static const struct op_rules rules_wgrad = {NK_LAYERNORM_FWD, "WGRAD_ACCUM", false};
 
 static const struct op_rules *rules_for(Normd__Op op)
 {
@@ -105,7 +93,7 @@ static int job_refuse(struct job *job, int status, const char *fmt, ...)
 	return status;
 }
 
-static Normd__Tensor *job_tensor(const Normd__Job *msg, enum tensor_role role)
+static Normd__Tensor *job_tensor(const Normd__Job *msg, enum nc__job_role role)
 {
 	Normd__Tensor *const tensors[JOB_MAX_TENSORS] = {
 		msg->x,	   msg->y,  msg->mean,	 msg->rstd,  msg->gamma,     msg->beta,
@@ -115,35 +103,38 @@ static Normd__Tensor *job_tensor(const Normd__Job *msg, enum tensor_role role)
 }
 
 /* Elements of a role (overflow was ruled out by job_check_shape). */
-static uint64_t role_elems(const struct job *job, enum tensor_role role)
+static uint64_t role_elems(const struct job *job, enum nc__job_role role)
 {
 	uint64_t rows = (uint64_t)job->args.rows, cols = (uint64_t)job->args.cols;
 	if (job->wgrad) {
 		uint64_t out = (uint64_t)job->gemm.out;
-		return role == T_X ? rows * cols : role == T_DY ? rows * out : out * cols;
+		if (role == NC__ROLE_X)
+			return rows * cols;
+		return role == NC__ROLE_DY ? rows * out : out * cols;
 	}
 	switch (role) {
-	case T_MEAN:
-	case T_RSTD:
+	case NC__ROLE_MEAN:
+	case NC__ROLE_RSTD:
 		return rows;
-	case T_GAMMA:
-	case T_BETA:
-	case T_DGAMMA:
-	case T_DBETA:
+	case NC__ROLE_GAMMA:
+	case NC__ROLE_BETA:
+	case NC__ROLE_DGAMMA:
+	case NC__ROLE_DBETA:
 		return cols;
 	default:
 		return rows * cols;
 	}
 }
 
-static size_t role_elem_size(const struct job *job, enum tensor_role role)
+static size_t role_elem_size(const struct job *job, enum nc__job_role role)
 {
 	const struct nk_norm_args *a = &job->args;
-	if (role == T_MAIN_GRAD)
+	if (role == NC__ROLE_MAIN_GRAD)
 		return nk_dtype_size(job->gemm.grad_dtype);
-	if (role == T_MEAN || role == T_RSTD)
+	if (role == NC__ROLE_MEAN || role == NC__ROLE_RSTD)
 		return sizeof(float);
-	if (role == T_GAMMA || role == T_BETA || role == T_DGAMMA || role == T_DBETA)
+	if (role == NC__ROLE_GAMMA || role == NC__ROLE_BETA || role == NC__ROLE_DGAMMA ||
+	    role == NC__ROLE_DBETA)
 		return nk_dtype_size(a->weight_dtype);
 	return nk_dtype_size(a->dtype);
 }
@@ -222,9 +213,9 @@ static int job_check_types(struct job *job, const Normd__Job *msg, const struct 
 
 /* Resolves one tensor into a pointer, checking region and bounds. */
 static int job_bind_tensor(struct job *job, const struct region_table *regions,
-			   const Normd__Tensor *t, enum tensor_role role, const void **out)
+			   const Normd__Tensor *t, enum nc__job_role role, const void **out)
 {
-	const char *name = role_names[role];
+	const char *name = nc__job_role_name(role);
 	struct region *region = region_lookup(regions, t->region_id);
 	if (!region)
 		return job_refuse(job, NC_ENOT_FOUND,
@@ -252,22 +243,33 @@ static int job_bind_tensor(struct job *job, const struct region_table *regions,
 	return 0;
 }
 
+/* What the job's op does with a role: the memory-efficient backward reads y, not mean. */
+static enum nc__role_use job_role_use(const Normd__Job *msg, enum nc__job_role role)
+{
+	if (role == NC__ROLE_MEAN && msg->memory_efficient)
+		return NC__USE_NONE;
+	return nc__job_role_use(msg->op, role);
+}
+
 static int job_bind_tensors(struct job *job, const struct region_table *regions,
 			    const Normd__Job *msg, const struct op_rules *r)
 {
 	const void *ptr[JOB_MAX_TENSORS] = {0};
-	for (int role = 0; role < JOB_MAX_TENSORS; role++) {
-		const Normd__Tensor *t = job_tensor(msg, (enum tensor_role)role);
-		if (!t && r->use[role] == U_REQ)
-			return job_refuse(job, NC_EINVALID_ARGUMENT, "%s needs tensor %s",
-					  r->name, role_names[role]);
-		if (t && r->use[role] == U_NONE)
+	for (int i = 0; i < NC__ROLE_COUNT; i++) {
+		enum nc__job_role role = (enum nc__job_role)i;
+		const Normd__Tensor *t = job_tensor(msg, role);
+		enum nc__role_use use = job_role_use(msg, role);
+		if (!t && use == NC__USE_REQ)
+			return job_refuse(job, NC_EINVALID_ARGUMENT, "%s needs tensor %s", r->name,
+					  nc__job_role_name(role));
+		if (t && use == NC__USE_NONE)
 			return job_refuse(job, NC_EINVALID_ARGUMENT,
-					  "tensor %s is not used by %s%s", role_names[role],
+					  "tensor %s is not used by %s%s", nc__job_role_name(role),
 					  r->name,
-					  role == T_MEAN && msg->memory_efficient ? " with memory_efficient"
-										  : "");
-		if (t && job_bind_tensor(job, regions, t, (enum tensor_role)role, &ptr[role]))
+					  role == NC__ROLE_MEAN && msg->memory_efficient
+					      ? " with memory_efficient"
+					      : "");
+		if (t && job_bind_tensor(job, regions, t, role, &ptr[role]))
 			return job->status;
 	}
 	/* A job runs where its memory is: every tensor on one device. */
@@ -279,17 +281,17 @@ static int job_bind_tensors(struct job *job, const struct region_table *regions,
 					  job->device, job->regions[i]->device);
 	}
 	struct nk_norm_args *a = &job->args;
-	a->x = ptr[T_X];
-	a->y = (void *)ptr[T_Y];
-	a->mean = (float *)ptr[T_MEAN];
-	a->rstd = (float *)ptr[T_RSTD];
-	a->gamma = ptr[T_GAMMA];
-	a->beta = ptr[T_BETA];
-	a->dy = ptr[T_DY];
-	a->dx = (void *)ptr[T_DX];
-	a->dgamma = (void *)ptr[T_DGAMMA];
-	a->dbeta = (void *)ptr[T_DBETA];
-	job->main_grad = (void *)ptr[T_MAIN_GRAD];
+	a->x = ptr[NC__ROLE_X];
+	a->y = (void *)ptr[NC__ROLE_Y];
+	a->mean = (float *)ptr[NC__ROLE_MEAN];
+	a->rstd = (float *)ptr[NC__ROLE_RSTD];
+	a->gamma = ptr[NC__ROLE_GAMMA];
+	a->beta = ptr[NC__ROLE_BETA];
+	a->dy = ptr[NC__ROLE_DY];
+	a->dx = (void *)ptr[NC__ROLE_DX];
+	a->dgamma = (void *)ptr[NC__ROLE_DGAMMA];
+	a->dbeta = (void *)ptr[NC__ROLE_DBETA];
+	job->main_grad = (void *)ptr[NC__ROLE_MAIN_GRAD];
 	return 0;
 }
 
@@ -317,15 +319,11 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 	a->eps = msg->has_eps ? msg->eps : 1e-5f;
 	a->flags = (msg->memory_efficient ? NK_MEMORY_EFFICIENT : 0u) |
 		   (msg->accumulate ? NK_ACCUMULATE : 0u);
-	/* The memory-efficient backward reads y, not mean. */
-	struct op_rules adjusted = *r;
-	if (msg->memory_efficient)
-		adjusted.use[T_MEAN] = U_NONE;
 	/*
 	 * max_cols is judged after binding, so that a refused enqueued job still
 	 * has its outputs to poison; it is still the error reported first.
 	 */
-	job->bound = job_bind_tensors(job, regions, msg, &adjusted) == 0;
+	job->bound = job_bind_tensors(job, regions, msg, r) == 0;
 	if (msg->cols > cfg->max_cols)
 		job_refuse(job, NC_EOUT_OF_RANGE, "cols %llu exceeds max_cols %llu",
 			   (unsigned long long)msg->cols, (unsigned long long)cfg->max_cols);
@@ -362,16 +360,24 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 
 unsigned job_outputs(const struct job *job, struct job_output out[4])
 {
-	static const enum tensor_role fwd[] = {T_Y, T_MEAN, T_RSTD};
-	static const enum tensor_role bwd[] = {T_DX, T_DGAMMA, T_DBETA};
-	static const enum tensor_role wgrad[] = {T_MAIN_GRAD};
+	static const enum nc__job_role fwd[] = {NC__ROLE_Y, NC__ROLE_MEAN, NC__ROLE_RSTD};
+	static const enum nc__job_role bwd[] = {NC__ROLE_DX, NC__ROLE_DGAMMA, NC__ROLE_DBETA};
+	static const enum nc__job_role wgrad[] = {NC__ROLE_MAIN_GRAD};
 	const struct nk_norm_args *a = &job->args;
 	void *const ptr[JOB_MAX_TENSORS] = {
-		[T_Y] = a->y,		[T_MEAN] = a->mean,	    [T_RSTD] = a->rstd,
-		[T_DX] = a->dx,		[T_DGAMMA] = a->dgamma,	    [T_DBETA] = a->dbeta,
-		[T_MAIN_GRAD] = job->main_grad,
+		[NC__ROLE_Y] = a->y,
+		[NC__ROLE_MEAN] = a->mean,
+		[NC__ROLE_RSTD] = a->rstd,
+		[NC__ROLE_DX] = a->dx,
+		[NC__ROLE_DGAMMA] = a->dgamma,
+		[NC__ROLE_DBETA] = a->dbeta,
+		[NC__ROLE_MAIN_GRAD] = job->main_grad,
 	};
-	const enum tensor_role *roles = job->wgrad ? wgrad : rules_for(job->op)->backward ? bwd : fwd;
+	const enum nc__job_role *roles = fwd;
+	if (job->wgrad)
+		roles = wgrad;
+	else if (rules_for(job->op)->backward)
+		roles = bwd;
 	unsigned count = job->wgrad ? 1 : 3, n = 0;
 	for (unsigned i = 0; i < count; i++) {
 		if (!ptr[roles[i]])

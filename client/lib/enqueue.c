@@ -32,6 +32,7 @@
 #include "client/lib/internal.h"
 #include "kernels/cuda_driver.h"
 #include "proto/frame.h"
+#include "proto/job_roles.h"
 
 #define NC__SLOTS 64
 #define NC__SLOT_BYTES 128
@@ -75,28 +76,23 @@ struct nc__enqueue {
 
 /* ---- checking a job here ------------------------------------------------------------ */
 
-enum { R_X, R_Y, R_MEAN, R_RSTD, R_GAMMA, R_BETA, R_DY, R_DX, R_DGAMMA, R_DBETA, R_MAIN_GRAD,
-       R_COUNT };
-#define BIT(r) (1u << (r))
+/* The tensor roles and each op's use of them: proto/job_roles.h, shared with the daemon. */
+_Static_assert(NC_LAYERNORM_FWD == 1 && NC_LAYERNORM_BWD == 2 && NC_RMSNORM_FWD == 3 &&
+		   NC_RMSNORM_BWD == 4 && NC_WGRAD_ACCUM == NC__JOB_OPS,
+	       "the columns of NC__JOB_ROLE_MAP follow enum nc_op");
 
-/* Per op: the tensors it needs, and those it may take (the daemon's job.c has the same rules). */
-static const struct {
-	unsigned required, optional;
-	bool backward;
-} op_tensors[] = {
-	[NC_LAYERNORM_FWD] = {BIT(R_X) | BIT(R_Y), BIT(R_MEAN) | BIT(R_RSTD) | BIT(R_GAMMA) | BIT(R_BETA),
-			      false},
-	[NC_LAYERNORM_BWD] = {BIT(R_X) | BIT(R_MEAN) | BIT(R_RSTD) | BIT(R_DY) | BIT(R_DX),
-			      BIT(R_GAMMA) | BIT(R_BETA) | BIT(R_DGAMMA) | BIT(R_DBETA), true},
-	[NC_RMSNORM_FWD] = {BIT(R_X) | BIT(R_Y), BIT(R_RSTD) | BIT(R_GAMMA), false},
-	[NC_RMSNORM_BWD] = {BIT(R_X) | BIT(R_RSTD) | BIT(R_DY) | BIT(R_DX),
-			    BIT(R_GAMMA) | BIT(R_DGAMMA), true},
-	[NC_WGRAD_ACCUM] = {BIT(R_X) | BIT(R_DY) | BIT(R_MAIN_GRAD), 0, false},
-};
+static bool op_is_backward(enum nc_op op)
+{
+	return op == NC_LAYERNORM_BWD || op == NC_RMSNORM_BWD;
+}
 
-static const char *const role_names[R_COUNT] = {
-	"x", "y", "mean", "rstd", "gamma", "beta", "dy", "dx", "dgamma", "dbeta", "main_grad",
-};
+/* What the job's op does with a role: a memory-efficient backward takes no mean. */
+static enum nc__role_use role_use(const struct nc_job *job, enum nc__job_role role)
+{
+	if (role == NC__ROLE_MEAN && (job->flags & NC_MEMORY_EFFICIENT))
+		return NC__USE_NONE;
+	return nc__job_role_use(job->op, role);
+}
 
 static size_t dtype_size(enum nc_dtype dtype)
 {
@@ -104,19 +100,20 @@ static size_t dtype_size(enum nc_dtype dtype)
 }
 
 /* Elements and element size of a role (WGRAD_ACCUM is refused before this). */
-static void role_shape(const struct nc_job *job, int role, uint64_t *elems, size_t *size)
+static void role_shape(const struct nc_job *job, enum nc__job_role role, uint64_t *elems,
+		       size_t *size)
 {
 	enum nc_dtype weights = job->weight_dtype ? job->weight_dtype : job->dtype;
 	switch (role) {
-	case R_MEAN:
-	case R_RSTD:
+	case NC__ROLE_MEAN:
+	case NC__ROLE_RSTD:
 		*elems = job->rows;
 		*size = 4;
 		return;
-	case R_GAMMA:
-	case R_BETA:
-	case R_DGAMMA:
-	case R_DBETA:
+	case NC__ROLE_GAMMA:
+	case NC__ROLE_BETA:
+	case NC__ROLE_DGAMMA:
+	case NC__ROLE_DBETA:
 		*elems = job->cols;
 		*size = dtype_size(weights);
 		return;
@@ -138,30 +135,30 @@ static const nc_region *region_of(nc_conn *conn, uint64_t id)
 
 static int check_tensors(nc_conn *conn, const struct nc_job *job, int *device)
 {
-	const struct nc_tensor t[R_COUNT] = {job->x,  job->y,  job->mean,   job->rstd,
-					     job->gamma, job->beta, job->dy, job->dx,
-					     job->dgamma, job->dbeta, job->main_grad};
-	unsigned required = op_tensors[job->op].required, optional = op_tensors[job->op].optional;
-	if (job->flags & NC_MEMORY_EFFICIENT) {
-		required &= ~BIT(R_MEAN);
-		optional &= ~BIT(R_MEAN);
-	}
+	/* In the order of the role table. */
+	const struct nc_tensor t[NC__ROLE_COUNT] = {
+		job->x,  job->y,  job->mean,   job->rstd,  job->gamma,     job->beta,
+		job->dy, job->dx, job->dgamma, job->dbeta, job->main_grad,
+	};
 	int rc = 0;
 	*device = -2;
 	pthread_mutex_lock(&conn->lock);
-	for (int role = 0; role < R_COUNT && rc == 0; role++) {
+	for (int i = 0; i < NC__ROLE_COUNT && rc == 0; i++) {
+		enum nc__job_role role = (enum nc__job_role)i;
+		const char *name = nc__job_role_name(role);
 		bool present = t[role].region != 0;
-		if (!present && (required & BIT(role))) {
+		if (!present && role_use(job, role) == NC__USE_REQ) {
 			rc = nc__fail(NC_EINVALID_ARGUMENT, "op %d needs tensor %s", (int)job->op,
-				      role_names[role]);
+				      name);
 			break;
 		}
 		if (!present)
 			continue;
-		if (!((required | optional) & BIT(role))) {
+		if (role_use(job, role) == NC__USE_NONE) {
 			rc = nc__fail(NC_EINVALID_ARGUMENT, "tensor %s is not used by op %d%s",
-				      role_names[role], (int)job->op,
-				      (job->flags & NC_MEMORY_EFFICIENT) ? " (memory-efficient)" : "");
+				      name, (int)job->op,
+				      (job->flags & NC_MEMORY_EFFICIENT) ? " (memory-efficient)"
+									 : "");
 			break;
 		}
 		const nc_region *r = region_of(conn, t[role].region);
@@ -170,18 +167,18 @@ static int check_tensors(nc_conn *conn, const struct nc_job *job, int *device)
 		role_shape(job, role, &elems, &size);
 		if (!r) {
 			rc = nc__fail(NC_ENOT_FOUND, "tensor %s: region %llu is not registered",
-				      role_names[role], (unsigned long long)t[role].region);
+				      name, (unsigned long long)t[role].region);
 		} else if (__builtin_mul_overflow(elems, (uint64_t)size, &bytes) ||
 			   __builtin_add_overflow(t[role].offset, bytes, &end) || end > r->size) {
 			rc = nc__fail(NC_EOUT_OF_RANGE,
 				      "tensor %s: offset %llu + %llu elements runs past region %llu "
 				      "(%zu bytes)",
-				      role_names[role], (unsigned long long)t[role].offset,
+				      name, (unsigned long long)t[role].offset,
 				      (unsigned long long)elems, (unsigned long long)r->id, r->size);
 		} else if (t[role].offset % size) {
 			rc = nc__fail(NC_EINVALID_ARGUMENT,
 				      "tensor %s: offset %llu is not a multiple of its element size",
-				      role_names[role], (unsigned long long)t[role].offset);
+				      name, (unsigned long long)t[role].offset);
 		} else if (*device != -2 && r->device != *device) {
 			rc = nc__fail(NC_EINVALID_ARGUMENT, "tensors live on different devices");
 		} else {
@@ -216,7 +213,7 @@ static int check_job(nc_conn *conn, const struct nc_job *job, int *device)
 		return nc__fail(NC_EINVALID_ARGUMENT, "eps must be positive and finite (got %g)",
 				(double)job->eps);
 	if ((job->flags & ~(unsigned)(NC_MEMORY_EFFICIENT | NC_ACCUMULATE)) ||
-	    (job->flags && !op_tensors[job->op].backward))
+	    (job->flags && !op_is_backward(job->op)))
 		return nc__fail(NC_EINVALID_ARGUMENT,
 				"flags 0x%x: memory_efficient and accumulate apply to backward ops",
 				job->flags);
