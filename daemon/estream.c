@@ -176,8 +176,8 @@ void estream_poison_host(const struct job *job)
 		memset(out[i].ptr, 0xff, (size_t)out[i].bytes);
 }
 
-/* The job at the head of its stream is over: count it, release it, move on. */
-static void estream_retire(struct job *job)
+/* The job at the head of its stream is over: count it, release it. True if `es` was freed. */
+static bool estream_retire(struct job *job)
 {
 	struct estream *es = job->estream;
 	struct client *c = es->client;
@@ -192,14 +192,16 @@ static void estream_retire(struct job *job)
 	job_release(job);
 	if (was_paused && !client_input_paused(c) && !c->closing)
 		client_resume(c);
-	if (!es->head && c->closing)
+	bool freed = !es->head && c->closing;
+	if (freed)
 		estream_close(es);
 	if (srv->draining)
 		server_drain_check(srv);
+	return freed;
 }
 
-/* Loop-ordered backends: the done word is the loop's to write. */
-static void estream_finish_on_loop(struct job *job)
+/* Loop-ordered backends: the done word is the loop's to write. True if `es` was freed. */
+static bool estream_finish_on_loop(struct job *job)
 {
 	struct estream *es = job->estream;
 	if (job->status != NC_OK)
@@ -209,7 +211,7 @@ static void estream_finish_on_loop(struct job *job)
 		reply_job(es->client, job);
 	if (es->running == job)
 		es->running = NULL;
-	estream_retire(job);
+	return estream_retire(job);
 }
 
 /* Loop-ordered backends: hands over the next job once its ready word is set. */
@@ -236,8 +238,7 @@ static void estream_pump(struct estream *es)
 				break;
 			}
 		}
-		estream_finish_on_loop(job); /* pumps nothing: es->running is clear */
-		if (es->client->closing && !es->head)
+		if (estream_finish_on_loop(job))
 			return; /* freed with its last job */
 	}
 	estream_busy_remove(es);
@@ -277,8 +278,8 @@ void estream_job_done(struct job *job)
 {
 	struct estream *es = job->estream;
 	if (!es->client->srv->backend->orders_streams) {
-		estream_finish_on_loop(job);
-		estream_pump(es);
+		if (!estream_finish_on_loop(job))
+			estream_pump(es);
 		return;
 	}
 	/* Queued on the device: answer now, finish once the device is past it. */
@@ -294,14 +295,10 @@ static void estream_reap(struct backend *backend, struct estream *es)
 	uint32_t retired = backend->stream_retired(backend, es);
 	while (es->head && es->head->launched && seq_reached(retired, es->head->seq)) {
 		struct job *job = es->head;
-		bool last = job->es_next == NULL;
-		struct client *c = es->client;
-		if (backend->stream_job_retired)
-			backend->stream_job_retired(backend, es);
-		estream_retire(job); /* may free es with its last job */
-		if (last) {
-			if (!c->closing)
-				estream_busy_remove(es);
+		if (estream_retire(job))
+			return; /* freed with its last job */
+		if (!es->head) {
+			estream_busy_remove(es);
 			return;
 		}
 	}

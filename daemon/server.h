@@ -332,8 +332,6 @@ struct backend {
 	int (*stream_open)(struct backend *backend, struct estream *es, char *why, size_t why_len);
 	/* The latest seq whose job the device has finished on `es`. */
 	uint32_t (*stream_retired)(struct backend *backend, struct estream *es);
-	/* One job the device had launched on `es` is over (loop thread). */
-	void (*stream_job_retired)(struct backend *backend, struct estream *es);
 	/* The client left: make the device stop waiting for its ready words. */
 	void (*stream_abandon)(struct backend *backend, struct estream *es);
 	/* No job is left on `es`: free the backend's state. */
