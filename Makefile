@@ -30,6 +30,8 @@ B := build
 CUDA_HOME ?= /usr/local/cuda
 NVCC ?= $(CUDA_HOME)/bin/nvcc
 CC ?= cc
+# The one version: the library's file name, normclient.pc and the daemon's
+# HelloReply.server_version ($(B)/gen/normd_version.h) take it from here.
 VERSION := 0.1.0
 SOVERSION := 0
 
@@ -63,13 +65,24 @@ $(B)/gen/normd.pb-c.c $(B)/gen/normd.pb-c.h: proto/normd.proto
 	@mkdir -p $(B)/gen
 	protoc-c --proto_path=proto --c_out=$(B)/gen proto/normd.proto
 
+# NORMD_VERSION for C code. Written on every make but replaced only when
+# VERSION changed (make VERSION=... too), so that what includes it (through
+# the .d files) is rebuilt then and only then.
+.PHONY: version-header
+version-header:
+$(B)/gen/normd_version.h: version-header
+	@mkdir -p $(B)/gen
+	@printf '/* Written by the Makefile from VERSION. */\n#define NORMD_VERSION "%s"\n' \
+		'$(VERSION)' > $@.tmp
+	@if cmp -s $@.tmp $@; then rm -f $@.tmp; else mv $@.tmp $@; fi
+
 # ---- objects -----------------------------------------------------------------
-$(B)/obj/%.o: %.c | $(B)/gen/normd.pb-c.h
+$(B)/obj/%.o: %.c | $(B)/gen/normd.pb-c.h $(B)/gen/normd_version.h
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
 
 # Position-independent twins for the shared client library.
-$(B)/pic/%.o: %.c | $(B)/gen/normd.pb-c.h
+$(B)/pic/%.o: %.c | $(B)/gen/normd.pb-c.h $(B)/gen/normd_version.h
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -fPIC -c $< -o $@
 

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "daemon/log.h"
+#include "normd_version.h"
 #include "proto/frame.h"
 
 static void reply_send(struct client *c, Normd__Envelope *env)

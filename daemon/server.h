@@ -33,7 +33,6 @@
 #include "normclient.h"
 #include "normd.pb-c.h"
 
-#define NORMD_VERSION "0.1.0"
 #define CLIENT_MAX_PENDING_FDS 8 /* fds received but not yet claimed by a frame */
 #define JOB_MAX_TENSORS 11
 
