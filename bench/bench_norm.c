@@ -28,6 +28,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "client/tools/rng.h"
 #include "kernels/norm_kernels.h"
 
 #define TOTAL_ELEMS ((int64_t)1 << 28)
@@ -75,10 +76,7 @@ static void fill_random(void *dst, enum nk_dtype dt, size_t bytes, double lo, do
 	if (!h)
 		check(cudaErrorMemoryAllocation, "host allocation");
 	for (size_t i = 0; i < chunk / es; i++) {
-		s ^= s << 13;
-		s ^= s >> 7;
-		s ^= s << 17;
-		nk_store(dt, h, i, lo + (hi - lo) * (double)(s >> 11) / 9007199254740992.0);
+		nk_store(dt, h, i, rng_uniform(&s, lo, hi));
 	}
 	for (size_t off = 0; off < bytes; off += chunk) {
 		size_t n = bytes - off < chunk ? bytes - off : chunk;

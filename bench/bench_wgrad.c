@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "client/tools/rng.h"
 #include "kernels/norm_kernels.h"
 #include "normclient.h"
 #include "tests/support/testlib.h"
@@ -38,9 +39,9 @@ static int fill_random_bf16(void *dst, size_t bytes, unsigned seed)
 	uint16_t *host = malloc(chunk);
 	if (!host)
 		return -1;
-	srand(seed);
+	uint64_t state = seed;
 	for (size_t i = 0; i < chunk / 2; i++)
-		host[i] = nk_f32_to_bf16((float)rand() / (float)RAND_MAX * 2.0f - 1.0f);
+		host[i] = nk_f32_to_bf16((float)rng_uniform(&state, -1.0, 1.0));
 	for (size_t off = 0; off < bytes; off += chunk) {
 		size_t n = bytes - off < chunk ? bytes - off : chunk;
 		if (cudaMemcpy((char *)dst + off, host, n, cudaMemcpyHostToDevice) != cudaSuccess) {

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "client/tools/rng.h"
 #include "kernels/norm_kernels.h"
 #include "kernels/wgrad.h"
 
@@ -64,21 +65,6 @@ static enum nk_op nk_op_of(enum nc_op op)
 	default:
 		return NK_LAYERNORM_FWD;
 	}
-}
-
-/* splitmix64: small, seedable, good enough for test data. */
-static uint64_t next_random(uint64_t *state)
-{
-	uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
-/* Uniform in [lo, hi). */
-static double uniform(uint64_t *state, double lo, double hi)
-{
-	return lo + (hi - lo) * (double)(next_random(state) >> 11) * 0x1.0p-53;
 }
 
 static bool op_is_backward(enum nc_op op)
@@ -160,8 +146,8 @@ static void fill_random(void *buf, enum nk_dtype dtype, size_t n, uint64_t *stat
 			double hi, bool random_sign)
 {
 	for (size_t i = 0; i < n; i++) {
-		double v = uniform(state, lo, hi);
-		if (random_sign && (next_random(state) & 1))
+		double v = rng_uniform(state, lo, hi);
+		if (random_sign && (rng_next(state) & 1))
 			v = -v;
 		nk_store(dtype, buf, i, v);
 	}

@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "client/tools/jobkit.h"
+#include "client/tools/rng.h"
 #include "kernels/norm_kernels.h"
 #include "normclient.h"
 
@@ -97,26 +98,6 @@ static inline void sleep_ns(uint64_t ns)
 {
 	struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
 	nanosleep(&ts, NULL);
-}
-
-/* splitmix64: small, seedable, and every thread gets its own stream. */
-static inline uint64_t rng_next(uint64_t *state)
-{
-	uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
-/* Uniform in [0, 1). */
-static inline double rng_unit(uint64_t *state)
-{
-	return (double)(rng_next(state) >> 11) * 0x1.0p-53;
-}
-
-static inline uint64_t rng_below(uint64_t *state, uint64_t n)
-{
-	return n ? rng_next(state) % n : 0;
 }
 
 static inline uint64_t size_pick(const struct size_choice *c, uint64_t *state)

@@ -42,6 +42,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "client/tools/rng.h"
 #include "kernels/norm_kernels.h"
 
 /* The eps of every job below (apex's default). */
@@ -50,27 +51,13 @@
 /* Whether to skip the large shapes (NORM_TEST_QUICK=1). */
 static bool quick;
 
-/* ---- random numbers (splitmix64) ----------------------------------------- */
+/* ---- random numbers (splitmix64, client/tools/rng.h) ---------------------- */
 
 static uint64_t rng_state;
 
 static void rng_seed(uint64_t seed)
 {
 	rng_state = seed * UINT64_C(0x9e3779b97f4a7c15) + 12345;
-}
-
-static uint64_t rng_next(void)
-{
-	uint64_t z = (rng_state += UINT64_C(0x9e3779b97f4a7c15));
-
-	z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
-	z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
-	return z ^ (z >> 31);
-}
-
-static double rng_uniform(double lo, double hi)
-{
-	return lo + (hi - lo) * (double)(rng_next() >> 11) * 0x1p-53;
 }
 
 /* ---- storage, decoded independently of the kernels ----------------------- */
@@ -172,7 +159,7 @@ static void buf_set(struct buf *b, size_t i, double v)
 static void buf_fill_uniform(struct buf *b, double lo, double hi)
 {
 	for (size_t i = 0; i < b->n; i++)
-		buf_set(b, i, rng_uniform(lo, hi));
+		buf_set(b, i, rng_uniform(&rng_state, lo, hi));
 }
 
 /* A malloc'd double copy of the buffer, or NULL when it is absent. */
@@ -353,9 +340,10 @@ static struct norm_case make_case(enum nk_op op, enum nk_dtype dt, enum nk_dtype
 static void fill_rows(struct buf *x, int64_t rows, int64_t cols)
 {
 	for (int64_t r = 0; r < rows; r++) {
-		double mu = rng_uniform(-2, 2), s = rng_uniform(0.3, 3);
+		double mu = rng_uniform(&rng_state, -2, 2), s = rng_uniform(&rng_state, 0.3, 3);
 		for (int64_t j = 0; j < cols; j++)
-			buf_set(x, (size_t)(r * cols + j), mu + s * rng_uniform(-1.7, 1.7));
+			buf_set(x, (size_t)(r * cols + j),
+				mu + s * rng_uniform(&rng_state, -1.7, 1.7));
 	}
 }
 
@@ -535,7 +523,9 @@ static void job_build(struct job *j, const struct norm_case *c, uint64_t seed)
 	if (c->affine >= AFFINE_GAMMA) {
 		buf_alloc(&j->gamma, c->wdt, cols);
 		for (size_t i = 0; i < cols; i++)
-			buf_set(&j->gamma, i, (rng_next() & 1 ? -1 : 1) * rng_uniform(0.5, 1.5));
+			buf_set(&j->gamma, i,
+				(rng_next(&rng_state) & 1 ? -1 : 1) *
+				    rng_uniform(&rng_state, 0.5, 1.5));
 		if (c->tiny_gamma)
 			set_tiny_gamma(&j->gamma);
 	}
@@ -884,12 +874,12 @@ static void gradient_check(bool ln, int64_t rows, int64_t cols)
 
 	assert_true(x && w && y && mean && rstd && dx && g && b && dg && db && num);
 	for (size_t i = 0; i < n; i++) {
-		x[i] = rng_uniform(-2, 2);
-		w[i] = rng_uniform(-1, 1);
+		x[i] = rng_uniform(&rng_state, -2, 2);
+		w[i] = rng_uniform(&rng_state, -1, 1);
 	}
 	for (size_t j = 0; j < nc; j++) {
-		g[j] = (rng_next() & 1 ? -1 : 1) * rng_uniform(0.5, 1.5);
-		b[j] = ln ? rng_uniform(-1, 1) : 0;
+		g[j] = (rng_next(&rng_state) & 1 ? -1 : 1) * rng_uniform(&rng_state, 0.5, 1.5);
+		b[j] = ln ? rng_uniform(&rng_state, -1, 1) : 0;
 	}
 	naive_forward(ln, rows, cols, EPS, x, g, b, y, mean, rstd);
 	struct naive_bwd_in in = {.ln = ln,
@@ -1541,9 +1531,10 @@ static void test_f16_matches_compiler(void **state)
 	(void)state;
 	rng_seed(9);
 	for (int i = 0; i < 1000000; i++) {
-		uint32_t u = (uint32_t)rng_next();
+		uint32_t u = (uint32_t)rng_next(&rng_state);
 		float f;
-		double d = ldexp(rng_uniform(-1, 1), (int)(rng_next() % 60) - 40);
+		double d =
+		    ldexp(rng_uniform(&rng_state, -1, 1), (int)(rng_next(&rng_state) % 60) - 40);
 		_Float16 hf, hd;
 		uint16_t want, got;
 		memcpy(&f, &u, sizeof(f));
