@@ -475,6 +475,24 @@ static int pending_error(nc_conn *conn)
 
 /* ---- the calls ---------------------------------------------------------------------- */
 
+/*
+ * The driver's stream calls need a current context, which a thread that has
+ * made no runtime call yet lacks (PyTorch's autograd threads, for one):
+ * bind the device's primary context for the call, then give the thread its
+ * device back.
+ */
+static int signal_wait_with_context(struct nc__block *b, void *stream, void *ready, void *done,
+				    uint32_t seq)
+{
+	int previous = 0;
+	cudaGetLastError();
+	if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(b->device) != cudaSuccess)
+		return -1;
+	int rc = nk_cuda_stream_signal_wait(stream, ready, seq, done, seq);
+	cudaSetDevice(previous);
+	return rc;
+}
+
 /* Queues the stream side of one job and sends it; the enqueue lock is held. */
 static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block *b,
 			  struct nc__slot *slot, const struct nc_job *job, void *stream)
@@ -485,7 +503,8 @@ static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block
 	if (b->device < 0) {
 		atomic_store_explicit((_Atomic uint32_t *)(b->ready_host + offset), seq,
 				      memory_order_release);
-	} else if (nk_cuda_stream_signal_wait(stream, b->ready_gpu + offset, seq, done, seq) != 0) {
+	} else if (nk_cuda_stream_signal_wait(stream, b->ready_gpu + offset, seq, done, seq) != 0 &&
+		   signal_wait_with_context(b, stream, b->ready_gpu + offset, done, seq) != 0) {
 		cudaGetLastError();
 		return nc__fail(NC_EINVALID_ARGUMENT,
 				"cannot queue the semaphore operations on the caller's stream");
