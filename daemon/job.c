@@ -397,6 +397,31 @@ void job_release(struct job *job)
 }
 
 /*
+ * A new job of `msg` for `c`, validated (job->status says how it went, the
+ * refusal counted); NULL, answered, when out of memory.
+ */
+static struct job *job_new_validated(struct client *c, uint64_t request_id,
+				     const Normd__Job *msg)
+{
+	struct server *srv = c->srv;
+	struct job *job = nc__calloc(1, sizeof(*job));
+	if (!job) {
+		stats_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
+		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED, "out of memory for a job");
+		return NULL;
+	}
+	job->client = c;
+	job->request_id = request_id;
+	job->op = msg->op;
+	job->deadline_us = msg->has_deadline_us ? msg->deadline_us : 0;
+	job->t_arrive_ns = stats_now_ns();
+	if (job_validate(job, &c->regions, srv->cfg, msg) != 0)
+		stats_count_rejection(srv, job->status == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
+									: NC_REJECT_BAD_JOB);
+	return job;
+}
+
+/*
  * The enqueue mode: every job whose slot is valid takes its turn on the
  * slot's stream, refused or not, so that its done word is written in order.
  * Input pauses at max_jobs_in_flight instead of refusing (client.c).
@@ -413,28 +438,20 @@ static void job_submit_enqueued(struct client *c, uint64_t request_id, const Nor
 		reply_result(c, request_id, rc, "%s", why);
 		return;
 	}
-	struct job *job = nc__calloc(1, sizeof(*job));
+	struct job *job = job_new_validated(c, request_id, msg);
 	if (!job) {
-		stats_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
-		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED, "out of memory for a job");
+		/* Nothing can write this job's done word: closing lets the library release the stream. */
+		c->close_after_flush = true;
 		return;
 	}
-	job->client = c;
-	job->request_id = request_id;
-	job->op = msg->op;
-	job->deadline_us = msg->has_deadline_us ? msg->deadline_us : 0;
-	job->t_arrive_ns = stats_now_ns();
 	job->estream = es;
 	job->seq = msg->enqueue->seq;
-	if (job_validate(job, &c->regions, srv->cfg, msg) != 0) {
-		stats_count_rejection(srv, job->status == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
-									: NC_REJECT_BAD_JOB);
-	} else if (job->device != es->device) {
+	if (job->status == NC_OK && job->device != es->device) {
 		job_refuse(job, NC_EINVALID_ARGUMENT,
 			   "enqueue: the semaphore slot is on device %d, the job's tensors on %d",
 			   es->device, job->device);
 		stats_count_rejection(srv, NC_REJECT_BAD_JOB);
-	} else if (srv->draining) {
+	} else if (job->status == NC_OK && srv->draining) {
 		job_refuse(job, NC_ESHUTTING_DOWN, "the daemon is shutting down");
 		stats_count_rejection(srv, NC_REJECT_SHUTTING_DOWN);
 	}
@@ -460,21 +477,10 @@ void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 			     (unsigned long long)srv->cfg->max_jobs_in_flight);
 		return;
 	}
-	struct job *job = nc__calloc(1, sizeof(*job));
-	if (!job) {
-		stats_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
-		reply_result(c, request_id, NC_ERESOURCE_EXHAUSTED, "out of memory for a job");
+	struct job *job = job_new_validated(c, request_id, msg);
+	if (!job)
 		return;
-	}
-	job->client = c;
-	job->request_id = request_id;
-	job->op = msg->op;
-	job->deadline_us = msg->has_deadline_us ? msg->deadline_us : 0;
-	job->t_arrive_ns = stats_now_ns();
-	if (job_validate(job, &c->regions, srv->cfg, msg) != 0)
-		stats_count_rejection(srv, job->status == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
-									: NC_REJECT_BAD_JOB);
-	else
+	if (job->status == NC_OK)
 		job->status = srv->backend->submit(srv->backend, job);
 	if (job->status != NC_OK) {
 		stats_count_job(srv, job, false);

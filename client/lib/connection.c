@@ -337,6 +337,29 @@ static Normd__Envelope *take_reply(nc_conn *conn, uint64_t id)
 	return NULL;
 }
 
+/*
+ * Called with conn->lock held when no other thread reads: reads one frame,
+ * letting the lock go meanwhile, and files it. Returns 0, NC_ETIMEOUT, or the
+ * error that broke the connection (then recorded in conn->broken).
+ */
+static int read_one_locked(nc_conn *conn, int64_t deadline)
+{
+	conn->reader_active = true;
+	pthread_mutex_unlock(&conn->lock);
+	Normd__Envelope *env = NULL;
+	int rc = read_frame(conn, deadline, &env);
+	pthread_mutex_lock(&conn->lock);
+	conn->reader_active = false;
+	pthread_cond_broadcast(&conn->cond);
+	if (rc == 0) {
+		file_reply(conn, env);
+	} else if (rc != NC_ETIMEOUT) {
+		conn->broken = rc;
+		snprintf(conn->broken_message, sizeof(conn->broken_message), "%s", nc_last_error());
+	}
+	return rc;
+}
+
 static void deadline_to_timespec(int64_t deadline_ms, struct timespec *ts)
 {
 	/* The condition variable uses CLOCK_MONOTONIC (see nc_connect). */
@@ -362,26 +385,12 @@ int nc__await(nc_conn *conn, uint64_t request_id, int timeout_ms, Normd__Envelop
 			break;
 		}
 		if (!conn->reader_active) {
-			conn->reader_active = true;
-			pthread_mutex_unlock(&conn->lock);
-			Normd__Envelope *env = NULL;
-			int read_rc = read_frame(conn, deadline, &env);
-			pthread_mutex_lock(&conn->lock);
-			conn->reader_active = false;
-			pthread_cond_broadcast(&conn->cond);
-			if (read_rc == NC_ETIMEOUT) {
+			if (read_one_locked(conn, deadline) == NC_ETIMEOUT) {
 				rc = nc__fail(NC_ETIMEOUT, "no reply from normd within %d ms",
 					      timeout_ms);
 				break;
 			}
-			if (read_rc) {
-				conn->broken = read_rc;
-				snprintf(conn->broken_message, sizeof(conn->broken_message), "%s",
-					 nc_last_error());
-				continue;
-			}
-			file_reply(conn, env);
-			continue;
+			continue; /* a broken connection is seen above */
 		}
 		if (deadline < 0) {
 			pthread_cond_wait(&conn->cond, &conn->lock);
@@ -465,28 +474,10 @@ int nc__call_expect(nc_conn *conn, Normd__Envelope *env, int timeout_ms,
 void nc__poll_replies(nc_conn *conn)
 {
 	pthread_mutex_lock(&conn->lock);
-	if (conn->reader_active || conn->broken) {
-		pthread_mutex_unlock(&conn->lock);
-		return;
+	if (!conn->reader_active && !conn->broken) {
+		while (read_one_locked(conn, now_ms()) == 0)
+			;
 	}
-	conn->reader_active = true;
-	for (;;) {
-		pthread_mutex_unlock(&conn->lock);
-		Normd__Envelope *env = NULL;
-		int rc = read_frame(conn, now_ms(), &env);
-		pthread_mutex_lock(&conn->lock);
-		if (rc == NC_ETIMEOUT)
-			break;
-		if (rc) {
-			conn->broken = rc;
-			snprintf(conn->broken_message, sizeof(conn->broken_message), "%s",
-				 nc_last_error());
-			break;
-		}
-		file_reply(conn, env);
-	}
-	conn->reader_active = false;
-	pthread_cond_broadcast(&conn->cond);
 	pthread_mutex_unlock(&conn->lock);
 }
 
@@ -497,24 +488,10 @@ int nc__await_enqueued(nc_conn *conn, int timeout_ms)
 	pthread_mutex_lock(&conn->lock);
 	while (conn->enqueued.count > 0 && !conn->broken) {
 		if (!conn->reader_active) {
-			conn->reader_active = true;
-			pthread_mutex_unlock(&conn->lock);
-			Normd__Envelope *env = NULL;
-			int read_rc = read_frame(conn, deadline, &env);
-			pthread_mutex_lock(&conn->lock);
-			conn->reader_active = false;
-			pthread_cond_broadcast(&conn->cond);
-			if (read_rc == NC_ETIMEOUT) {
+			if (read_one_locked(conn, deadline) == NC_ETIMEOUT) {
 				rc = NC_ETIMEOUT;
 				break;
 			}
-			if (read_rc) {
-				conn->broken = read_rc;
-				snprintf(conn->broken_message, sizeof(conn->broken_message), "%s",
-					 nc_last_error());
-				break;
-			}
-			file_reply(conn, env);
 			continue;
 		}
 		if (deadline < 0) {
