@@ -131,7 +131,7 @@ static size_t role_bytes(const struct jobkit_spec *s, int role)
 	}
 }
 
-static enum nk_dtype role_dtype(const struct jobkit_spec *s, int role)
+enum nk_dtype jobkit_role_dtype(const struct jobkit_spec *s, int role)
 {
 	enum nc_dtype w = weight_dtype_of(s);
 	if (role == JK_MEAN || role == JK_RSTD)
@@ -162,9 +162,7 @@ static bool is_output(const struct jobkit_spec *s, int role)
 	return role == JK_Y || role == JK_MEAN || role == JK_RSTD;
 }
 
-/* Arguments for the op over the given tensor pointers. */
-static void jobkit_args(const struct jobkit *kit, void *const ptr[JK_ROLES],
-			struct nk_norm_args *a)
+void jobkit_args(const struct jobkit *kit, void *const ptr[JK_ROLES], struct nk_norm_args *a)
 {
 	const struct jobkit_spec *s = &kit->spec;
 	memset(a, 0, sizeof(*a));
@@ -173,7 +171,7 @@ static void jobkit_args(const struct jobkit *kit, void *const ptr[JK_ROLES],
 	a->cols = (int64_t)s->cols;
 	a->eps = kit->job.eps;
 	a->dtype = nk_dtype_of(s->dtype);
-	a->weight_dtype = role_dtype(s, JK_GAMMA);
+	a->weight_dtype = jobkit_role_dtype(s, JK_GAMMA);
 	a->flags = (s->memory_efficient ? NK_MEMORY_EFFICIENT : 0u) |
 		   (s->accumulate ? NK_ACCUMULATE : 0u);
 	a->x = ptr[JK_X];
@@ -232,17 +230,17 @@ static void jobkit_fill(struct jobkit *kit, const bool used[JK_ROLES])
 	const struct jobkit_spec *s = &kit->spec;
 	uint64_t state = s->seed ? s->seed : 1;
 	/* x with a non-zero mean so LayerNorm's centring matters. */
-	fill_random(kit->ptr[JK_X], role_dtype(s, JK_X), s->rows * s->cols, &state, -1.5, 2.5,
+	fill_random(kit->ptr[JK_X], jobkit_role_dtype(s, JK_X), s->rows * s->cols, &state, -1.5, 2.5,
 		    false);
 	if (used[JK_GAMMA])
-		fill_random(kit->ptr[JK_GAMMA], role_dtype(s, JK_GAMMA), s->cols, &state, 0.5, 1.5,
+		fill_random(kit->ptr[JK_GAMMA], jobkit_role_dtype(s, JK_GAMMA), s->cols, &state, 0.5, 1.5,
 			    true);
 	if (used[JK_BETA])
-		fill_random(kit->ptr[JK_BETA], role_dtype(s, JK_BETA), s->cols, &state, -0.5, 0.5,
+		fill_random(kit->ptr[JK_BETA], jobkit_role_dtype(s, JK_BETA), s->cols, &state, -0.5, 0.5,
 			    false);
 	if (used[JK_DY])
-		fill_random(kit->ptr[JK_DY], role_dtype(s, JK_DY),
-			    kit->bytes[JK_DY] / nk_dtype_size(role_dtype(s, JK_DY)), &state, -1.0,
+		fill_random(kit->ptr[JK_DY], jobkit_role_dtype(s, JK_DY),
+			    kit->bytes[JK_DY] / nk_dtype_size(jobkit_role_dtype(s, JK_DY)), &state, -1.0,
 			    1.0, false);
 	/* Outputs: poison (all-ones bytes are NaN in every float type). */
 	for (int role = 0; role < JK_ROLES; role++) {
@@ -253,8 +251,8 @@ static void jobkit_fill(struct jobkit *kit, const bool used[JK_ROLES])
 	for (int role = JK_DGAMMA; s->accumulate && role <= JK_MAIN_GRAD; role++) {
 		if (!used[role])
 			continue;
-		fill_random(kit->ptr[role], role_dtype(s, role),
-			    kit->bytes[role] / nk_dtype_size(role_dtype(s, role)), &state, -1.0, 1.0,
+		fill_random(kit->ptr[role], jobkit_role_dtype(s, role),
+			    kit->bytes[role] / nk_dtype_size(jobkit_role_dtype(s, role)), &state, -1.0, 1.0,
 			    false);
 		kit->initial[role] = malloc(kit->bytes[role]);
 		if (kit->initial[role])
@@ -372,10 +370,10 @@ static double dx_term_norm2(const struct jobkit *kit)
 		double rstd = nk_load(NK_F32, kit->ptr[JK_RSTD], r);
 		for (uint64_t c = 0; c < s->cols; c++) {
 			double g = kit->ptr[JK_GAMMA]
-					   ? nk_load(role_dtype(s, JK_GAMMA), kit->ptr[JK_GAMMA], c)
+					   ? nk_load(jobkit_role_dtype(s, JK_GAMMA), kit->ptr[JK_GAMMA], c)
 					   : 1.0;
 			double t = rstd * g *
-				   nk_load(role_dtype(s, JK_DY), kit->ptr[JK_DY], r * s->cols + c);
+				   nk_load(jobkit_role_dtype(s, JK_DY), kit->ptr[JK_DY], r * s->cols + c);
 			sum += t * t;
 		}
 	}
@@ -386,11 +384,11 @@ static double dx_term_norm2(const struct jobkit *kit)
 static double jobkit_x_hat(const struct jobkit *kit, uint64_t r, uint64_t c)
 {
 	const struct jobkit_spec *s = &kit->spec;
-	double in = nk_load(role_dtype(s, JK_X), kit->ptr[JK_X], r * s->cols + c);
+	double in = nk_load(jobkit_role_dtype(s, JK_X), kit->ptr[JK_X], r * s->cols + c);
 	if (s->memory_efficient) {
-		double g = kit->ptr[JK_GAMMA] ? nk_load(role_dtype(s, JK_GAMMA), kit->ptr[JK_GAMMA], c)
+		double g = kit->ptr[JK_GAMMA] ? nk_load(jobkit_role_dtype(s, JK_GAMMA), kit->ptr[JK_GAMMA], c)
 					      : 1.0;
-		double b = kit->ptr[JK_BETA] ? nk_load(role_dtype(s, JK_BETA), kit->ptr[JK_BETA], c)
+		double b = kit->ptr[JK_BETA] ? nk_load(jobkit_role_dtype(s, JK_BETA), kit->ptr[JK_BETA], c)
 					     : 0.0;
 		double eps = kit->job.eps;
 		if (kit->ptr[JK_GAMMA] && fabs(g) < eps)
@@ -414,7 +412,7 @@ static double mean_term_norm2(const struct jobkit *kit)
 	for (uint64_t r = 0; r < s->rows; r++) {
 		double row = 0;
 		for (uint64_t c = 0; c < s->cols; c++)
-			row += fabs(nk_load(role_dtype(s, JK_X), kit->ptr[JK_X], r * s->cols + c));
+			row += fabs(nk_load(jobkit_role_dtype(s, JK_X), kit->ptr[JK_X], r * s->cols + c));
 		row /= (double)s->cols;
 		sum += row * row;
 	}
@@ -433,7 +431,7 @@ static double dweight_term_norm2(const struct jobkit *kit, int role)
 	for (uint64_t c = 0; c < s->cols; c++) {
 		double col = 0;
 		for (uint64_t r = 0; r < s->rows; r++) {
-			double dy = nk_load(role_dtype(s, JK_DY), kit->ptr[JK_DY], r * s->cols + c);
+			double dy = nk_load(jobkit_role_dtype(s, JK_DY), kit->ptr[JK_DY], r * s->cols + c);
 			col += fabs(role == JK_DBETA ? dy : dy * jobkit_x_hat(kit, r, c));
 		}
 		sum += col * col;
@@ -461,7 +459,7 @@ static double terms_norm2(const struct jobkit *kit, int role)
 static void compare_output(const struct jobkit *kit, int role, const void *ref,
 			   struct jobkit_report *report)
 {
-	enum nk_dtype dtype = role_dtype(&kit->spec, role);
+	enum nk_dtype dtype = jobkit_role_dtype(&kit->spec, role);
 	size_t n = kit->bytes[role] / nk_dtype_size(dtype);
 	double tolerance = dtype == NK_F32 ? 1e-5 : 1e-2;
 	double max_abs = 0, max_ref = 0, err2 = 0, ref2 = 0;
@@ -521,7 +519,7 @@ static int jobkit_reference(const struct jobkit *kit, void *const ptr[JK_ROLES],
 		struct nk_wgrad_args g = {
 			.tokens = (int64_t)s->rows, .in = (int64_t)s->cols,
 			.out = (int64_t)s->out_features, .dtype = nk_dtype_of(s->dtype),
-			.grad_dtype = role_dtype(s, JK_MAIN_GRAD), .beta = s->accumulate ? 1.0f : 0.0f,
+			.grad_dtype = jobkit_role_dtype(s, JK_MAIN_GRAD), .beta = s->accumulate ? 1.0f : 0.0f,
 			.x = ptr[JK_X], .dy = ptr[JK_DY], .main_grad = ptr[JK_MAIN_GRAD],
 		};
 		return nk_cpu_wgrad(&g, opts);

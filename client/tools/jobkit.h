@@ -16,6 +16,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "kernels/norm_kernels.h"
 #include "normclient.h"
 
 struct jobkit_spec {
@@ -68,6 +69,12 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 
 /* Checks the outputs against the reference; returns report->ok. */
 bool jobkit_check(const struct jobkit *kit, struct jobkit_report *report);
+
+/* The storage dtype of a tensor role: statistics fp32, weights weight_dtype, the rest dtype. */
+enum nk_dtype jobkit_role_dtype(const struct jobkit_spec *spec, int role);
+
+/* The CPU reference's arguments for the kit's job over the tensors at `ptr` (by role). */
+void jobkit_args(const struct jobkit *kit, void *const ptr[11], struct nk_norm_args *args);
 
 /* Frees the region (unregisters it) and the kit's copies. Accepts a zeroed kit. */
 void jobkit_destroy(struct jobkit *kit);

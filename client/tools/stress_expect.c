@@ -6,8 +6,7 @@
  * relative L2 tolerance (1e-5 for fp32 outputs, 1e-2 for 16-bit ones)
  * against the reference's norm, or against the norm of the terms an output
  * sums when cancellation makes that larger (dx, dgamma, dbeta, LayerNorm's
- * mean). jobkit keeps its reference and those norms to itself, so the few
- * lines that compute them are repeated here from jobkit.c.
+ * mean), with jobkit's layout and reference arguments.
  */
 #include "client/tools/stress.h"
 
@@ -15,53 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-static enum nk_dtype nk_dtype_from(enum nc_dtype dtype)
-{
-	return dtype == NC_F16 ? NK_F16 : dtype == NC_BF16 ? NK_BF16 : NK_F32;
-}
-
-/* The storage dtype of a tensor role (jobkit's layout: statistics fp32, weights weight_dtype). */
-static enum nk_dtype kit_role_dtype(const struct jobkit_spec *s, int role)
-{
-	if (role == JK_MEAN || role == JK_RSTD)
-		return NK_F32;
-	if (role == JK_GAMMA || role == JK_BETA || role == JK_DGAMMA || role == JK_DBETA)
-		return nk_dtype_from(s->weight_dtype ? s->weight_dtype : s->dtype);
-	return nk_dtype_from(s->dtype);
-}
-
 static double kit_load(const struct kit *k, int role, uint64_t i)
 {
-	return nk_load(kit_role_dtype(&k->jk.spec, role), k->jk.ptr[role], i);
-}
-
-/* The CPU reference's arguments for the kit's job over the tensors `ptr`. */
-static void kit_ref_args(const struct kit *k, void *const ptr[ROLES], struct nk_norm_args *a)
-{
-	const struct jobkit_spec *s = &k->jk.spec;
-	static const enum nk_op nk_ops[] = {
-		[NC_LAYERNORM_FWD] = NK_LAYERNORM_FWD, [NC_LAYERNORM_BWD] = NK_LAYERNORM_BWD,
-		[NC_RMSNORM_FWD] = NK_RMSNORM_FWD,     [NC_RMSNORM_BWD] = NK_RMSNORM_BWD,
-	};
-	memset(a, 0, sizeof(*a));
-	a->op = nk_ops[s->op]; /* the enqueue mode runs norm ops only */
-	a->rows = (int64_t)s->rows;
-	a->cols = (int64_t)s->cols;
-	a->eps = k->jk.job.eps;
-	a->dtype = nk_dtype_from(s->dtype);
-	a->weight_dtype = kit_role_dtype(s, JK_GAMMA);
-	a->flags = (s->memory_efficient ? NK_MEMORY_EFFICIENT : 0u) |
-		   (s->accumulate ? NK_ACCUMULATE : 0u);
-	a->x = ptr[JK_X];
-	a->y = ptr[JK_Y];
-	a->mean = ptr[JK_MEAN];
-	a->rstd = ptr[JK_RSTD];
-	a->gamma = ptr[JK_GAMMA];
-	a->beta = ptr[JK_BETA];
-	a->dy = ptr[JK_DY];
-	a->dx = ptr[JK_DX];
-	a->dgamma = ptr[JK_DGAMMA];
-	a->dbeta = ptr[JK_DBETA];
+	return nk_load(jobkit_role_dtype(&k->jk.spec, role), k->jk.ptr[role], i);
 }
 
 /* x_hat of element (r, c), as the backward recomputes it. */
@@ -120,7 +75,7 @@ static void kit_expect_output(struct kit *k, int role, const void *ref, float *h
 			      struct nk_check_output *check)
 {
 	const struct jobkit *jk = &k->jk;
-	enum nk_dtype dtype = kit_role_dtype(&jk->spec, role);
+	enum nk_dtype dtype = jobkit_role_dtype(&jk->spec, role);
 	size_t n = jk->bytes[role] / nk_dtype_size(dtype);
 	double ref2 = 0;
 	for (size_t i = 0; i < n; i++) {
@@ -166,13 +121,13 @@ int kit_expect(struct kit *k, cudaStream_t stream)
 			memset(ref[role], 0xff, jk->bytes[role]);
 		ptr[role] = ref[role];
 		at[role] = floats;
-		floats += jk->bytes[role] / nk_dtype_size(kit_role_dtype(&jk->spec, role));
+		floats += jk->bytes[role] / nk_dtype_size(jobkit_role_dtype(&jk->spec, role));
 	}
 	if (!(host = malloc(floats * sizeof(float))))
 		goto out_free;
 	struct nk_norm_args a;
 	struct nk_cpu_opts opts = {.precision = NK_CPU_REFERENCE, .threads = 2};
-	kit_ref_args(k, ptr, &a);
+	jobkit_args(&k->jk, ptr, &a);
 	rc = nk_cpu_norm(&a, &opts, NULL) == NK_OK ? 0 : NC_EINTERNAL;
 	k->n_check = 0;
 	for (int role = 0; rc == 0 && role < ROLES; role++) {
