@@ -104,11 +104,10 @@ static struct region *estream_word(struct client *c, uint64_t region_id, uint64_
 	return r;
 }
 
-int estream_for_job(struct client *c, const Normd__Enqueue *msg, int device, struct estream **out,
-		    char *why, size_t why_len)
+int estream_for_job(struct client *c, const Normd__Enqueue *msg, struct estream **out, char *why,
+		    size_t why_len)
 {
 	struct backend *backend = c->srv->backend;
-	(void)device;
 	uint64_t done_region = msg->has_done_region ? msg->done_region : msg->sem_region;
 	uint64_t done_offset = msg->has_done_offset ? msg->done_offset
 						    : msg->sem_offset + ESTREAM_DONE_OFFSET;

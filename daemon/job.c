@@ -431,7 +431,7 @@ static void job_submit_enqueued(struct client *c, uint64_t request_id, const Nor
 	struct server *srv = c->srv;
 	struct estream *es = NULL;
 	char why[160];
-	int rc = estream_for_job(c, msg->enqueue, -1, &es, why, sizeof(why));
+	int rc = estream_for_job(c, msg->enqueue, &es, why, sizeof(why));
 	if (rc) {
 		stats_count_rejection(srv, rc == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
 							       : NC_REJECT_BAD_JOB);

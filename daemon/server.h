@@ -84,6 +84,24 @@ void region_unref(struct region *region);
 uint64_t region_live_count(void);
 uint64_t region_live_bytes(void);
 
+/*
+ * The daemon-wide cap on mappings of client memory (docs/SECURITY.md): a
+ * memfd region is one mapping, an opened CUDA IPC handle one however many
+ * regions share it. Without a configured cap: vm.max_map_count, less the
+ * mappings the process has once its backend is up, less a margin for what
+ * it maps later (malloc arenas and large blocks, thread stacks, libuv, CUDA).
+ */
+#define REGION_DEFAULT_MAP_COUNT 65530 /* the kernel's default vm.max_map_count */
+#define REGION_MAPPING_MARGIN 8192
+/* Sets the cap (`configured`, or 0: derived as above), logs and returns it. Start-up only. */
+uint64_t region_mappings_init(uint64_t configured);
+/* Takes one mapping under the cap; false at the cap. Any thread. */
+bool region_mapping_reserve(void);
+/* Gives one back: it was unmapped, or never made. Any thread. */
+void region_mapping_release(void);
+uint64_t region_mappings_live(void);
+uint64_t region_mappings_cap(void);
+
 /* ---- clients (client.c) ---------------------------------------------------- */
 
 /* One reply waiting to be written. */
@@ -247,11 +265,12 @@ static inline bool seq_reached(uint32_t a, uint32_t b)
 
 /*
  * The enqueue stream a Job's Enqueue names, created on first use; checks the
- * slot (region of this connection, alignment, bounds, device) and the seq.
+ * slot's words (regions of this connection, alignment, bounds; the backend
+ * checks where they live) and the seq.
  * Returns 0 or NC_E* with a reason in `why`.
  */
-int estream_for_job(struct client *c, const Normd__Enqueue *msg, int device, struct estream **out,
-		    char *why, size_t why_len);
+int estream_for_job(struct client *c, const Normd__Enqueue *msg, struct estream **out, char *why,
+		    size_t why_len);
 /* Takes an enqueued job (validated or refused) in seq order; it counts as in flight. */
 void estream_push(struct estream *es, struct job *job);
 /* The backend launched or finished an estream job (loop thread, from job_finish). */

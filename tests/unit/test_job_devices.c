@@ -53,10 +53,10 @@ uint64_t stats_now_ns(void)
 {
 	return 0;
 }
-int estream_for_job(struct client *c, const Normd__Enqueue *msg, int device, struct estream **out,
-		    char *why, size_t why_len)
+int estream_for_job(struct client *c, const Normd__Enqueue *msg, struct estream **out, char *why,
+		    size_t why_len)
 {
-	(void)c, (void)msg, (void)device, (void)out, (void)why, (void)why_len;
+	(void)c, (void)msg, (void)out, (void)why, (void)why_len;
 	return NC_EINTERNAL;
 }
 void estream_push(struct estream *es, struct job *job)
