@@ -4,9 +4,14 @@
  *
  * The socket is watched with a uv_poll_t and read with recvmsg() so that
  * memfds sent with SCM_RIGHTS arrive with the bytes they were sent with
- * (libuv's stream API cannot take them). Received fds wait in a small FIFO
- * until the RegisterRegion frame that claims them is dispatched; a client
- * sends each fd with its own register frame, so frames and fds stay in order.
+ * (libuv's stream API cannot take them). Each received fd is tied to one
+ * frame: a Unix stream socket hands fds over with the first byte of the
+ * write they were sent with and ends that recvmsg() within the write, and a
+ * client sends each fd with the first byte of its RegisterRegion frame, so
+ * the fd belongs to the frame holding the last byte the recvmsg() returned.
+ * It waits, in a small FIFO, until that frame is dispatched; if the frame
+ * does not claim it (anything but a RegisterRegion of an fd kind), it is
+ * closed right after, so an fd never reaches a later frame.
  *
  * A client is never freed inside its own callbacks: client_close() only marks
  * it and releases what it can, and the server's before-poll hook frees it
@@ -63,6 +68,7 @@ int client_create(struct server *srv, int fd, pid_t pid, uid_t uid, gid_t gid)
 	c->pid = pid;
 	c->uid = uid;
 	c->gid = gid;
+	c->dispatch_frame = UINT64_MAX;
 	snprintf(c->name, sizeof(c->name), "-");
 	region_table_init(&c->regions);
 	if (uv_poll_init(srv->loop, &c->poll, fd) != 0) {
@@ -112,7 +118,7 @@ void client_close(struct client *c, const char *reason)
 	c->fd = -1;
 	client_drop_output(c);
 	for (unsigned i = 0; i < c->pending_fd_count; i++)
-		close(c->pending_fds[i]);
+		close(c->pending_fds[i].fd);
 	c->pending_fd_count = 0;
 	estream_abandon_all(c);
 	region_table_clear(&c->regions);
@@ -222,8 +228,28 @@ static void client_flush(struct client *c)
 		server_drain_check(c->srv);
 }
 
-/* Keeps fds that arrived with SCM_RIGHTS; closes any beyond the FIFO's room. */
-static void client_take_fds(struct client *c, struct msghdr *msg)
+/*
+ * The stream offset of the frame that holds in_buf[at]: frames are walked
+ * from in_buf[0], which always starts one.
+ */
+static uint64_t client_frame_at(const struct client *c, size_t at)
+{
+	size_t start = 0;
+	while (start + NC__FRAME_HEADER_BYTES <= c->in_len) {
+		size_t next = start + NC__FRAME_HEADER_BYTES + nc__frame_length(c->in_buf + start);
+		if (next > at)
+			break;
+		start = next;
+	}
+	return c->in_base + start;
+}
+
+/*
+ * Keeps fds that arrived with SCM_RIGHTS, tied to the frame that holds the
+ * last byte received with them (in_buf[last]); closes any beyond the FIFO's
+ * room.
+ */
+static void client_take_fds(struct client *c, struct msghdr *msg, size_t last)
 {
 	for (struct cmsghdr *cm = CMSG_FIRSTHDR(msg); cm; cm = CMSG_NXTHDR(msg, cm)) {
 		if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
@@ -233,9 +259,11 @@ static void client_take_fds(struct client *c, struct msghdr *msg)
 		if (n > sizeof(fds) / sizeof(fds[0]))
 			n = sizeof(fds) / sizeof(fds[0]);
 		memcpy(fds, CMSG_DATA(cm), n * sizeof(int));
+		uint64_t frame = client_frame_at(c, last);
 		for (size_t i = 0; i < n; i++) {
 			if (c->pending_fd_count < CLIENT_MAX_PENDING_FDS)
-				c->pending_fds[c->pending_fd_count++] = fds[i];
+				c->pending_fds[c->pending_fd_count++] =
+					(struct pending_fd){.fd = fds[i], .frame = frame};
 			else
 				close(fds[i]);
 		}
@@ -244,11 +272,30 @@ static void client_take_fds(struct client *c, struct msghdr *msg)
 
 int client_claim_fd(struct client *c)
 {
-	if (c->pending_fd_count == 0)
-		return -1;
-	int fd = c->pending_fds[0];
-	memmove(c->pending_fds, c->pending_fds + 1, --c->pending_fd_count * sizeof(int));
-	return fd;
+	for (unsigned i = 0; i < c->pending_fd_count; i++) {
+		if (c->pending_fds[i].frame != c->dispatch_frame)
+			continue;
+		int fd = c->pending_fds[i].fd;
+		memmove(c->pending_fds + i, c->pending_fds + i + 1,
+			(--c->pending_fd_count - i) * sizeof(c->pending_fds[0]));
+		return fd;
+	}
+	return -1;
+}
+
+/* Closes the fds of frames up to and including the one at stream offset `frame`. */
+static void client_close_stray_fds(struct client *c, uint64_t frame)
+{
+	unsigned kept = 0;
+	for (unsigned i = 0; i < c->pending_fd_count; i++) {
+		if (c->pending_fds[i].frame > frame) {
+			c->pending_fds[kept++] = c->pending_fds[i];
+			continue;
+		}
+		log_debug("event=stray_fd_closed client=%llu", (unsigned long long)c->id);
+		close(c->pending_fds[i].fd);
+	}
+	c->pending_fd_count = kept;
 }
 
 /*
@@ -291,17 +338,22 @@ static void client_process_input(struct client *c)
 		const char *why = NULL;
 		Normd__Envelope *env = nc__envelope_unpack(c->in_buf + pos + NC__FRAME_HEADER_BYTES,
 							   body, &why);
+		uint64_t frame = c->in_base + pos;
 		pos += NC__FRAME_HEADER_BYTES + body;
 		if (!env) {
 			client_refuse_frame(c, c->in_buf + pos - body, body, why);
 			break;
 		}
+		c->dispatch_frame = frame;
 		dispatch_envelope(c, env);
+		c->dispatch_frame = UINT64_MAX;
+		client_close_stray_fds(c, frame); /* fds it came with and did not claim */
 	}
 	if (c->closing)
 		return;
 	memmove(c->in_buf, c->in_buf + pos, c->in_len - pos);
 	c->in_len -= pos;
+	c->in_base += pos;
 	if (c->close_after_flush && !c->out_head)
 		client_close(c, "protocol violation"); /* the error reply is already sent */
 	else
@@ -355,10 +407,10 @@ static void client_read(struct client *c)
 		client_close(c, n == 0 ? "peer closed the connection" : strerror(errno));
 		return;
 	}
-	client_take_fds(c, &msg);
+	c->in_len += (size_t)n;
+	client_take_fds(c, &msg, c->in_len - 1);
 	if (msg.msg_flags & MSG_CTRUNC)
 		log_warn("event=fds_truncated client=%llu", (unsigned long long)c->id);
-	c->in_len += (size_t)n;
 	client_process_input(c);
 }
 

@@ -111,6 +111,12 @@ struct out_chunk {
 	uint8_t *bytes;
 };
 
+/* An fd received with SCM_RIGHTS, waiting for the frame it arrived with to be dispatched. */
+struct pending_fd {
+	int fd;
+	uint64_t frame;              /* stream offset of that frame's first byte */
+};
+
 struct client {
 	struct server *srv;
 	struct client *prev, *next;  /* server's list */
@@ -128,8 +134,10 @@ struct client {
 	bool poll_closed;            /* uv_close on the poll handle has completed */
 	uint8_t *in_buf;             /* partial frame bytes */
 	size_t in_len, in_cap;
-	int pending_fds[CLIENT_MAX_PENDING_FDS]; /* SCM_RIGHTS fds, oldest first */
+	uint64_t in_base;            /* stream offset of in_buf[0] (always a frame's start) */
+	struct pending_fd pending_fds[CLIENT_MAX_PENDING_FDS]; /* SCM_RIGHTS fds, oldest first */
 	unsigned pending_fd_count;
+	uint64_t dispatch_frame;     /* stream offset of the frame being dispatched, or UINT64_MAX */
 	struct out_chunk *out_head, *out_tail;
 	size_t out_bytes;            /* unsent bytes queued */
 	struct region_table regions;
@@ -148,7 +156,11 @@ int client_create(struct server *srv, int fd, pid_t pid, uid_t uid, gid_t gid);
 void client_close(struct client *c, const char *reason);
 /* Queues one frame (takes ownership of `bytes`). Drops the client past its cap. */
 void client_send(struct client *c, uint8_t *bytes, size_t len);
-/* Hands over the oldest fd received with SCM_RIGHTS, or -1 if none waits. */
+/*
+ * Hands over the first fd that arrived with the frame being dispatched, or
+ * -1 if none did. fds never wait for a later frame: those of a frame that
+ * does not claim them are closed once it has been dispatched.
+ */
 int client_claim_fd(struct client *c);
 /* Frees a closing client once its jobs and handle are done; true if freed. */
 bool client_try_free(struct client *c);

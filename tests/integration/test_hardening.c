@@ -544,19 +544,75 @@ static void test_bad_memfds(void **state)
 	/* One byte more than the memfd holds. */
 	int small = make_memfd(4096, MFD_ALLOW_SEALING);
 	register_region(&r, 4, small, 4097, NORMD__STATUS__OUT_OF_RANGE, "size 4097");
-	/* An fd sent with a frame that is not a RegisterRegion waits, then is used in order. */
+	close(small);
+	close(r.fd);
+	assert_others_unharmed();
+}
+
+/* Sends a Ping (request `request`) with `pass_fd` attached, or none for -1; expects the Pong. */
+static void ping_with_fd(struct raw *r, uint64_t request, int pass_fd)
+{
 	Normd__Ping ping = NORMD__PING__INIT;
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.has_request_id = true;
-	env.request_id = 50;
+	env.request_id = request;
 	env.body_case = NORMD__ENVELOPE__BODY_PING;
 	env.ping = &ping;
-	assert_int_equal(raw_send_with_fd(r.fd, &env, small), 0);
-	Normd__Envelope *reply = raw_recv(r.fd, 5000);
+	assert_int_equal(pass_fd >= 0 ? raw_send_with_fd(r->fd, &env, pass_fd) : raw_send(r->fd, &env),
+			 0);
+	Normd__Envelope *reply = raw_recv(r->fd, 5000);
 	assert_non_null(reply);
 	assert_int_equal(reply->body_case, NORMD__ENVELOPE__BODY_PONG);
+	assert_int_equal(reply->request_id, request);
 	nc__envelope_free(reply);
-	close(small);
+}
+
+/*
+ * An fd belongs to the frame it was sent with. One sent with a Ping is
+ * closed by the daemon (it holds no more fds than before), and a later
+ * RegisterRegion sent without an fd fails instead of taking it. A
+ * registration pipelined right behind such a Ping, in the same write, still
+ * gets its own fd and not the stray one.
+ */
+static void test_stray_fd_closed(void **state)
+{
+	(void)state;
+	struct raw r;
+	raw_open(&r);
+	ping_with_fd(&r, 60, -1);
+	int base = test_daemon_fd_count(&group_daemon);
+	assert_true(base > 0);
+	int stray = make_memfd(4096, MFD_ALLOW_SEALING);
+	for (int i = 0; i < 3; i++)
+		ping_with_fd(&r, 61 + (uint64_t)i, stray);
+	assert_int_equal(test_daemon_fd_count(&group_daemon), base);
+	Normd__RegisterRegion reg;
+	Normd__Envelope env;
+	raw_register_init(&env, &reg, 70, 1, 4096);
+	assert_int_equal(raw_send(r.fd, &env), 0);
+	expect_reply(&r, 70, NORMD__STATUS__INVALID_ARGUMENT,
+		     "HOST_MEMFD region arrived without an fd");
+	assert_int_equal(test_daemon_fd_count(&group_daemon), base);
+	/* A Ping with the stray fd and the registration with its own fd, back to back. */
+	int own = make_memfd(8192, MFD_ALLOW_SEALING);
+	Normd__Ping ping = NORMD__PING__INIT;
+	Normd__Envelope ping_env = NORMD__ENVELOPE__INIT;
+	ping_env.has_request_id = true;
+	ping_env.request_id = 71;
+	ping_env.body_case = NORMD__ENVELOPE__BODY_PING;
+	ping_env.ping = &ping;
+	raw_register_init(&env, &reg, 72, 2, 8192);
+	assert_int_equal(raw_send_with_fd(r.fd, &ping_env, stray), 0);
+	assert_int_equal(raw_send_with_fd(r.fd, &env, own), 0);
+	Normd__Envelope *pong = raw_recv(r.fd, 5000);
+	assert_non_null(pong);
+	assert_int_equal(pong->body_case, NORMD__ENVELOPE__BODY_PONG);
+	nc__envelope_free(pong);
+	expect_reply(&r, 72, NORMD__STATUS__OK, NULL);
+	/* The 4096-byte stray would have failed the 8192-byte registration; its fd is gone. */
+	assert_int_equal(test_daemon_fd_count(&group_daemon), base);
+	close(stray);
+	close(own);
 	close(r.fd);
 	assert_others_unharmed();
 }
@@ -669,6 +725,7 @@ int main(void)
 		cmocka_unit_test(test_region_already_unregistered),
 		cmocka_unit_test(test_region_ids),
 		cmocka_unit_test(test_bad_memfds),
+		cmocka_unit_test(test_stray_fd_closed),
 		cmocka_unit_test(test_cuda_ipc_handle_length),
 		cmocka_unit_test(test_rejections_counted),
 	};
