@@ -69,6 +69,7 @@ int client_create(struct server *srv, int fd, pid_t pid, uid_t uid, gid_t gid)
 	c->uid = uid;
 	c->gid = gid;
 	c->dispatch_frame = UINT64_MAX;
+	c->accepted_ns = stats_now_ns();
 	snprintf(c->name, sizeof(c->name), "-");
 	region_table_init(&c->regions);
 	if (uv_poll_init(srv->loop, &c->poll, fd) != 0) {
@@ -354,6 +355,10 @@ static void client_process_input(struct client *c)
 	memmove(c->in_buf, c->in_buf + pos, c->in_len - pos);
 	c->in_len -= pos;
 	c->in_base += pos;
+	if (c->in_len == 0)
+		c->frame_start_ns = 0;
+	else if (pos > 0)
+		c->frame_start_ns = stats_now_ns(); /* what is left began after what was taken */
 	if (c->close_after_flush && !c->out_head)
 		client_close(c, "protocol violation"); /* the error reply is already sent */
 	else
@@ -407,11 +412,42 @@ static void client_read(struct client *c)
 		client_close(c, n == 0 ? "peer closed the connection" : strerror(errno));
 		return;
 	}
+	if (c->in_len == 0)
+		c->frame_start_ns = stats_now_ns();
 	c->in_len += (size_t)n;
 	client_take_fds(c, &msg, c->in_len - 1);
 	if (msg.msg_flags & MSG_CTRUNC)
 		log_warn("event=fds_truncated client=%llu", (unsigned long long)c->id);
 	client_process_input(c);
+}
+
+/* Answers why, counts the rejection and closes at once (the peer may not read). */
+static void client_expire(struct client *c, enum nc_reject_reason reason, const char *event,
+			  const char *what, uint64_t limit_ms)
+{
+	log_warn("event=%s client=%llu pid=%d uid=%d limit_ms=%llu", event,
+		 (unsigned long long)c->id, (int)c->pid, (int)c->uid, (unsigned long long)limit_ms);
+	stats_count_rejection(c->srv, reason);
+	reply_result(c, 0, NC_EPROTOCOL_ERROR, "%s within %llu ms; closing", what,
+		     (unsigned long long)limit_ms);
+	client_close(c, what);
+}
+
+void client_check_deadlines(struct client *c, uint64_t now_ns)
+{
+	const struct config *cfg = c->srv->cfg;
+	if (c->closing)
+		return;
+	if (!c->hello_done && now_ns - c->accepted_ns > cfg->hello_timeout_ms * 1000000) {
+		client_expire(c, NC_REJECT_HELLO_TIMEOUT, "hello_timeout", "no Hello",
+			      cfg->hello_timeout_ms);
+		return;
+	}
+	/* A paused client holds whole frames we have not read on; only a started one counts. */
+	if (c->frame_start_ns && c->in_len > 0 && !client_input_paused(c) &&
+	    now_ns - c->frame_start_ns > cfg->frame_timeout_ms * 1000000)
+		client_expire(c, NC_REJECT_FRAME_TIMEOUT, "frame_timeout", "no complete frame",
+			      cfg->frame_timeout_ms);
 }
 
 static void client_on_poll(uv_poll_t *handle, int status, int events)

@@ -28,6 +28,8 @@ struct config {
 	uint64_t cpu_workers;    /* CPU backend: jobs computed at once (0 = cores) */
 	uint64_t cpu_threads;    /* CPU backend: threads per job (0 = cores) */
 	uint64_t drain_timeout_ms; /* SIGTERM: give up waiting for jobs after this */
+	uint64_t hello_timeout_ms; /* close a connection without Hello after this */
+	uint64_t frame_timeout_ms; /* close a connection holding half a frame after this */
 	char *allow_uid;         /* comma-separated uids allowed to connect ("" = any) */
 	char *allow_gid;         /* comma-separated gids allowed to connect ("" = any) */
 	bool autotune;           /* CUDA: time candidate variants on first use */

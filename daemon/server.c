@@ -245,6 +245,28 @@ static void server_reap(uv_prepare_t *handle)
 	}
 }
 
+static void server_sweep_deadlines(uv_timer_t *timer)
+{
+	struct server *srv = timer->data;
+	uint64_t now = stats_now_ns();
+	for (struct client *c = srv->clients; c; c = c->next)
+		client_check_deadlines(c, now);
+}
+
+/*
+ * One timer checks every client's deadlines, a quarter of the shorter
+ * deadline apart (10 ms to 1 s): a connection is closed at most that late.
+ */
+static void server_start_sweep(struct server *srv)
+{
+	uint64_t shorter = srv->cfg->hello_timeout_ms < srv->cfg->frame_timeout_ms
+				   ? srv->cfg->hello_timeout_ms
+				   : srv->cfg->frame_timeout_ms;
+	uint64_t every = shorter / 4;
+	every = every < 10 ? 10 : every > 1000 ? 1000 : every;
+	uv_timer_start(&srv->deadline_timer, server_sweep_deadlines, every, every);
+}
+
 static void server_close_handle(uv_handle_t *handle)
 {
 	if (!uv_is_closing(handle))
@@ -265,6 +287,7 @@ static void server_shutdown(struct server *srv)
 	/* Workers may still post completions; the async handle lives on, unreferenced. */
 	uv_unref((uv_handle_t *)&srv->completion_async);
 	server_close_handle((uv_handle_t *)&srv->drain_timer);
+	server_close_handle((uv_handle_t *)&srv->deadline_timer);
 	server_close_handle((uv_handle_t *)&srv->estream_timer);
 	server_close_handle((uv_handle_t *)&srv->reaper);
 	atomic_store(&srv->loop_polling, false); /* completions wake the loop again */
@@ -365,9 +388,10 @@ static int server_init_handles(struct server *srv)
 	    uv_poll_init(loop, &srv->listen_poll, srv->listen_fd) ||
 	    uv_signal_init(loop, &srv->sig_term) || uv_signal_init(loop, &srv->sig_int) ||
 	    uv_prepare_init(loop, &srv->reaper) || uv_timer_init(loop, &srv->drain_timer) ||
-	    uv_idle_init(loop, &srv->completion_poll) || uv_timer_init(loop, &srv->estream_timer))
+	    uv_idle_init(loop, &srv->completion_poll) || uv_timer_init(loop, &srv->estream_timer) ||
+	    uv_timer_init(loop, &srv->deadline_timer))
 		return -1;
-	srv->estream_timer.data = srv;
+	srv->estream_timer.data = srv->deadline_timer.data = srv;
 	srv->completion_poll.data = srv;
 	srv->completion_async.data = srv->listen_poll.data = srv->sig_term.data = srv;
 	srv->sig_int.data = srv->reaper.data = srv->drain_timer.data = srv;
@@ -375,6 +399,7 @@ static int server_init_handles(struct server *srv)
 	uv_signal_start(&srv->sig_term, server_on_signal, SIGTERM);
 	uv_signal_start(&srv->sig_int, server_on_signal, SIGINT);
 	uv_prepare_start(&srv->reaper, server_reap);
+	server_start_sweep(srv);
 	return 0;
 }
 

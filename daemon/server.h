@@ -134,6 +134,8 @@ struct client {
 	bool poll_closed;            /* uv_close on the poll handle has completed */
 	uint8_t *in_buf;             /* partial frame bytes */
 	size_t in_len, in_cap;
+	uint64_t accepted_ns;        /* when it connected: Hello is due hello_timeout_ms later */
+	uint64_t frame_start_ns;     /* when the frame in_buf holds part of began (0: none) */
 	uint64_t in_base;            /* stream offset of in_buf[0] (always a frame's start) */
 	struct pending_fd pending_fds[CLIENT_MAX_PENDING_FDS]; /* SCM_RIGHTS fds, oldest first */
 	unsigned pending_fd_count;
@@ -166,6 +168,11 @@ int client_claim_fd(struct client *c);
 bool client_try_free(struct client *c);
 /* A registration finished mapping (c->mapping is clear): reads input again. */
 void client_resume(struct client *c);
+/*
+ * Closes the client if Hello is overdue (hello_timeout_ms) or a started
+ * frame is (frame_timeout_ms); the server's sweep calls it every so often.
+ */
+void client_check_deadlines(struct client *c, uint64_t now_ns);
 
 /* ---- replies (reply.c) ----------------------------------------------------- */
 
@@ -466,6 +473,7 @@ struct server {
 	uv_mutex_t completion_lock;
 	struct job *completed_head, *completed_tail;
 	uv_timer_t drain_timer;
+	uv_timer_t deadline_timer;   /* sweeps clients for overdue Hellos and frames */
 	uv_timer_t notify_status_timer;   /* STATUS= for systemd every few seconds (notify.c) */
 	uv_timer_t notify_watchdog_timer; /* WATCHDOG=1 when the unit sets WatchdogSec= */
 	bool notify_timers_ready;    /* the two timers above are initialised */

@@ -395,7 +395,9 @@ struct nc_device_stats {
 	X(UNKNOWN_REGION, 12, "unknown_region")                                         \
 	X(BAD_JOB, 13, "bad_job")                                                       \
 	X(SHUTTING_DOWN, 14, "shutting_down")                                           \
-	X(OUT_OF_MEMORY, 15, "out_of_memory")
+	X(OUT_OF_MEMORY, 15, "out_of_memory")                                           \
+	X(HELLO_TIMEOUT, 16, "hello_timeout")                                           \
+	X(FRAME_TIMEOUT, 17, "frame_timeout")
 
 enum nc_reject_reason {
 #define NC__REJECT_ENUM(name, value, text) NC_REJECT_##name = (value),
