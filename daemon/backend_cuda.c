@@ -139,7 +139,10 @@ struct backend_cuda {
 	char fatal_message[96];           /* written once, by whoever set `fatal` */
 };
 
-/* One opened IPC handle, shared by a connection's regions that name it. */
+/*
+ * One opened IPC handle, shared by a connection's regions that name it; it
+ * holds one mapping of the daemon-wide cap (region_mapping_reserve).
+ */
 struct ipc_mapping {
 	void *ptr;
 	int device;
@@ -186,6 +189,7 @@ static void cuda_region_release(struct region *region)
 		log_warn("event=ipc_close_failed device=%d error=\"%s\"", m->device,
 			 cudaGetErrorString(err));
 	nc__free(m);
+	region_mapping_release(); /* reserved when the registration opened it (dispatch.c) */
 }
 
 /* Opens a handle on `device`, checking the allocation holds `size` bytes. */

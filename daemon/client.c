@@ -391,6 +391,11 @@ static int client_reserve_input(struct client *c)
 static void client_read(struct client *c)
 {
 	if (client_reserve_input(c)) {
+		log_warn("event=alloc_failed client=%llu pid=%d what=input_buffer in_len=%zu "
+			 "mappings=%llu/%llu reason=\"out of memory reading a frame; closing\"",
+			 (unsigned long long)c->id, (int)c->pid, c->in_len,
+			 (unsigned long long)region_mappings_live(),
+			 (unsigned long long)region_mappings_cap());
 		client_close(c, "out of memory reading a frame");
 		return;
 	}

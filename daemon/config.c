@@ -47,6 +47,8 @@ static const struct config_entry config_table[] = {
 	UINT(max_regions, "1024", 1, 1048576, "registered regions per connection"),
 	UINT(max_mapped_bytes, "1099511627776", 1, UINT64_MAX, "registered bytes per connection"),
 	UINT(max_jobs_in_flight, "1024", 1, 1048576, "jobs in flight per connection"),
+	UINT(max_mappings, "0", 0, UINT32_MAX,
+	     "mappings of client memory, all clients together (0: from vm.max_map_count)"),
 	UINT(max_output_bytes, "4194304", 4096, 1073741824,
 	     "unsent reply bytes per connection before it is dropped"),
 	UINT(max_cols, "16777216", 1, 1073741824, "widest row accepted"),

@@ -46,10 +46,16 @@ static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__H
 	reply_hello(c, request_id);
 }
 
-/* Files a mapped region (or reports why there is none) and answers the request. */
+/*
+ * Files a mapped region (or reports why there is none) and answers the
+ * request. `reserved`: a mapping of the daemon-wide cap was taken for it; a
+ * region made from it owns it from here, and a failure gives it back.
+ */
 static void register_finish(struct client *c, uint64_t request_id, uint64_t region_id, int rc,
-			    struct region *region, char *why)
+			    struct region *region, bool reserved, char *why)
 {
+	if (rc && reserved)
+		region_mapping_release(); /* nothing was mapped */
 	if (c->closing) {
 		if (rc == 0)
 			region_unref(region); /* the client left while its memory was mapped */
@@ -89,6 +95,7 @@ struct register_work {
 	Normd__RegisterRegion msg; /* a copy: the envelope is freed meanwhile */
 	uint8_t handle[64];
 	int fd;
+	bool reserved; /* holds a mapping of the cap (register_finish) */
 	int rc;
 	struct region *region;
 	char why[REGISTER_WHY_BYTES];
@@ -108,7 +115,7 @@ static void register_work_done(uv_work_t *req, int status)
 	struct client *c = w->c;
 	(void)status; /* never cancelled */
 	c->mapping = false;
-	register_finish(c, w->request_id, w->msg.region_id, w->rc, w->region, w->why);
+	register_finish(c, w->request_id, w->msg.region_id, w->rc, w->region, w->reserved, w->why);
 	nc__free(w);
 	client_resume(c);
 	if (c->srv->draining)
@@ -116,12 +123,14 @@ static void register_work_done(uv_work_t *req, int status)
 }
 
 static void register_off_loop(struct client *c, uint64_t request_id,
-			      const Normd__RegisterRegion *msg, int fd)
+			      const Normd__RegisterRegion *msg, int fd, bool reserved)
 {
 	struct register_work *w = nc__calloc(1, sizeof(*w));
 	if (!w) {
 		if (fd >= 0)
 			close(fd);
+		if (reserved)
+			region_mapping_release();
 		stats_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
 		reply_result(c, request_id, NC_ENOMEM, "region %llu: out of memory",
 			     (unsigned long long)msg->region_id);
@@ -131,6 +140,7 @@ static void register_off_loop(struct client *c, uint64_t request_id,
 	w->c = c;
 	w->request_id = request_id;
 	w->fd = fd;
+	w->reserved = reserved;
 	w->msg = *msg;
 	w->msg.base.n_unknown_fields = 0;
 	w->msg.base.unknown_fields = NULL;
@@ -142,7 +152,8 @@ static void register_off_loop(struct client *c, uint64_t request_id,
 		/* Not reached with libuv's own pool; map here rather than fail. */
 		c->mapping = false;
 		register_work_run(&w->req);
-		register_finish(c, request_id, w->msg.region_id, w->rc, w->region, w->why);
+		register_finish(c, request_id, w->msg.region_id, w->rc, w->region, reserved,
+				w->why);
 		nc__free(w);
 	}
 }
@@ -156,6 +167,12 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 	char why[REGISTER_WHY_BYTES];
 	int rc = 0;
 	enum nc_reject_reason reason = NC_REJECT_BAD_REGION;
+	struct region *twin = NULL;
+	if (msg->has_handle && msg->handle.len == 64)
+		twin = region_find_handle(&c->regions, msg->handle.data,
+					  msg->has_device ? msg->device : 0);
+	/* Every memfd is mapped anew; an IPC handle only when no region shares it. */
+	bool new_mapping = msg->kind == NORMD__REGION_KIND__HOST_MEMFD || !twin;
 	if (msg->region_id == 0 || msg->size == 0) {
 		rc = NC_EINVALID_ARGUMENT;
 		snprintf(why, sizeof(why), "region_id (%llu) and size (%llu) must be non-zero",
@@ -174,6 +191,13 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 		reason = NC_REJECT_LIMIT_MAPPED_BYTES;
 		snprintf(why, sizeof(why), "size %llu would exceed max_mapped_bytes (%llu)",
 			 (unsigned long long)msg->size, (unsigned long long)cfg->max_mapped_bytes);
+	} else if (new_mapping && !region_mapping_reserve()) {
+		rc = NC_ERESOURCE_EXHAUSTED;
+		reason = NC_REJECT_LIMIT_MAPPINGS;
+		snprintf(why, sizeof(why),
+			 "max_mappings (%llu) reached: all clients' regions together hold that "
+			 "many mappings; retry once regions are freed",
+			 (unsigned long long)region_mappings_cap());
 	}
 	if (rc) {
 		if (fd >= 0)
@@ -182,18 +206,14 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 		reply_result(c, request_id, rc, "%s", why);
 		return;
 	}
-	struct region *twin = NULL;
-	if (msg->has_handle && msg->handle.len == 64)
-		twin = region_find_handle(&c->regions, msg->handle.data,
-					  msg->has_device ? msg->device : 0);
 	if (!twin) {
-		register_off_loop(c, request_id, msg, fd);
+		register_off_loop(c, request_id, msg, fd, new_mapping);
 		return;
 	}
 	struct backend *backend = c->srv->backend;
 	struct region *region = NULL;
 	rc = backend->region_map(backend, twin, msg, fd, &region, why, sizeof(why));
-	register_finish(c, request_id, msg->region_id, rc, region, why);
+	register_finish(c, request_id, msg->region_id, rc, region, new_mapping, why);
 }
 
 static void dispatch_unregister(struct client *c, uint64_t request_id,

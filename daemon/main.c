@@ -67,6 +67,8 @@ int main(int argc, char **argv)
 		config_free(&cfg);
 		return 1;
 	}
+	/* Once the backend is up: the mappings it made (contexts, threads) come off the cap. */
+	region_mappings_init(cfg.max_mappings);
 	rc = server_run(&cfg, backend);
 	if (server_instance && server_instance->backend)
 		backend->destroy(backend);

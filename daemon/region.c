@@ -27,6 +27,94 @@
 static _Atomic uint64_t live_regions;
 static _Atomic uint64_t live_bytes;
 
+/*
+ * Mappings of client memory, daemon-wide, against a cap (region_mappings_init).
+ * Every memfd region is one mmap, and every opened CUDA IPC handle one more,
+ * all in a process whose mappings vm.max_map_count bounds: once that is
+ * reached every mmap fails, malloc's included, for every client. A mapping
+ * is reserved on the loop thread before it is made (dispatch.c) and given
+ * back when it is unmapped, or when making it failed.
+ */
+static _Atomic uint64_t live_mappings;
+static uint64_t max_mappings = UINT64_MAX;
+
+bool region_mapping_reserve(void)
+{
+	uint64_t have = atomic_load(&live_mappings);
+	do {
+		if (have >= max_mappings)
+			return false;
+	} while (!atomic_compare_exchange_weak(&live_mappings, &have, have + 1));
+	return true;
+}
+
+void region_mapping_release(void)
+{
+	atomic_fetch_sub(&live_mappings, 1);
+}
+
+uint64_t region_mappings_live(void)
+{
+	return atomic_load(&live_mappings);
+}
+
+uint64_t region_mappings_cap(void)
+{
+	return max_mappings;
+}
+
+/* The first number in `path`, or `fallback` when it cannot be read. */
+static uint64_t read_proc_number(const char *path, uint64_t fallback)
+{
+	FILE *f = fopen(path, "re");
+	unsigned long long v;
+	if (!f)
+		return fallback;
+	if (fscanf(f, "%llu", &v) != 1)
+		v = fallback;
+	fclose(f);
+	return v;
+}
+
+/* Lines of /proc/self/maps: the mappings this process has now. */
+static uint64_t count_own_mappings(void)
+{
+	FILE *f = fopen("/proc/self/maps", "re");
+	uint64_t lines = 0;
+	int ch;
+	if (!f)
+		return 0;
+	while ((ch = getc(f)) != EOF)
+		lines += ch == '\n';
+	fclose(f);
+	return lines;
+}
+
+uint64_t region_mappings_init(uint64_t configured)
+{
+	uint64_t limit = read_proc_number("/proc/sys/vm/max_map_count", REGION_DEFAULT_MAP_COUNT);
+	uint64_t own = count_own_mappings();
+	uint64_t room = limit > own ? limit - own : 0;
+	uint64_t derived =
+	    room > 2 * REGION_MAPPING_MARGIN ? room - REGION_MAPPING_MARGIN : room / 2;
+	max_mappings = configured ? configured : derived;
+	if (max_mappings == 0)
+		max_mappings = 1;
+	log_info("event=mapping_cap max_mappings=%llu source=%s max_map_count=%llu "
+		 "mappings_at_start=%llu margin=%llu",
+		 (unsigned long long)max_mappings, configured ? "config" : "max_map_count",
+		 (unsigned long long)limit, (unsigned long long)own,
+		 (unsigned long long)REGION_MAPPING_MARGIN);
+	if (configured > derived)
+		log_warn(
+		    "event=mapping_cap_high max_mappings=%llu room=%llu reason=\"max_mappings "
+		    "leaves less than %llu mappings of vm.max_map_count (%llu) for the daemon's "
+		    "own allocations\"",
+		    (unsigned long long)configured, (unsigned long long)room,
+		    (unsigned long long)REGION_MAPPING_MARGIN, (unsigned long long)limit);
+	return max_mappings;
+}
+
 uint64_t region_live_count(void)
 {
 	return atomic_load(&live_regions);
@@ -144,8 +232,10 @@ void region_unref(struct region *region)
 		return;
 	if (region->release)
 		region->release(region);
-	else if (region->kind == NORMD__REGION_KIND__HOST_MEMFD && region->base)
+	else if (region->kind == NORMD__REGION_KIND__HOST_MEMFD && region->base) {
 		munmap(region->base, region->mapped_size);
+		region_mapping_release();
+	}
 	atomic_fetch_sub(&live_regions, 1);
 	atomic_fetch_sub(&live_bytes, region->mapped_size);
 	nc__free(region);

@@ -24,6 +24,9 @@ static void reply_send(struct client *c, Normd__Envelope *env)
 	/* Replies may exceed the client's frame limit only by our own mistake. */
 	int rc = nc__frame_pack(env, UINT32_MAX, &frame, &len);
 	if (rc) {
+		log_warn("event=alloc_failed client=%llu pid=%d what=reply "
+			 "reason=\"out of memory packing a reply; closing\"",
+			 (unsigned long long)c->id, (int)c->pid);
 		client_close(c, "out of memory packing a reply");
 		return;
 	}

@@ -177,6 +177,9 @@ static void server_accept_one(struct server *srv, int fd)
 		return;
 	}
 	if (client_create(srv, fd, cred.pid, cred.uid, cred.gid) != 0) {
+		log_warn("event=alloc_failed pid=%d uid=%d what=client "
+			 "reason=\"out of memory for a new client; refused\"",
+			 (int)cred.pid, (int)cred.uid);
 		stats_count_rejection(srv, NC_REJECT_OUT_OF_MEMORY);
 		server_refuse(fd, NC_ERESOURCE_EXHAUSTED, "out of memory for a new client");
 		return;

@@ -397,7 +397,8 @@ struct nc_device_stats {
 	X(SHUTTING_DOWN, 14, "shutting_down")                                           \
 	X(OUT_OF_MEMORY, 15, "out_of_memory")                                           \
 	X(HELLO_TIMEOUT, 16, "hello_timeout")                                           \
-	X(FRAME_TIMEOUT, 17, "frame_timeout")
+	X(FRAME_TIMEOUT, 17, "frame_timeout")                                           \
+	X(LIMIT_MAPPINGS, 18, "limit_mappings")
 
 enum nc_reject_reason {
 #define NC__REJECT_ENUM(name, value, text) NC_REJECT_##name = (value),
