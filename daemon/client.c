@@ -29,13 +29,17 @@
 #include "proto/frame.h"
 
 #define CLIENT_READ_CHUNK 65536
+#define CLIENT_READ_ROOM 4096 /* least free room a read is given */
 
 static void client_on_poll(uv_poll_t *handle, int status, int events);
+
+/* A block holds at least this much (less when max_output_bytes is small). */
+#define OUT_BLOCK_BYTES 16384
 
 bool client_input_paused(const struct client *c)
 {
 	/* Enqueued jobs wait for the client's own GPU: at the limit, stop reading rather than refuse. */
-	return c->mapping ||
+	return c->mapping || c->output_paused ||
 	       (c->estream_count > 0 && c->jobs_in_flight >= c->srv->cfg->max_jobs_in_flight);
 }
 
@@ -98,9 +102,9 @@ static void client_drop_output(struct client *c)
 	while (c->out_head) {
 		struct out_chunk *chunk = c->out_head;
 		c->out_head = chunk->next;
-		nc__free(chunk->bytes);
 		nc__free(chunk);
 	}
+	c->srv->freed_since_trim += c->out_bytes;
 	c->out_tail = NULL;
 	c->out_bytes = 0;
 }
@@ -123,6 +127,7 @@ void client_close(struct client *c, const char *reason)
 	c->pending_fd_count = 0;
 	estream_abandon_all(c);
 	region_table_clear(&c->regions);
+	c->srv->freed_since_trim += c->in_cap;
 	nc__free(c->in_buf);
 	c->in_buf = NULL;
 	c->in_len = c->in_cap = 0;
@@ -141,6 +146,42 @@ bool client_try_free(struct client *c)
 		c->next->prev = c->prev;
 	nc__free(c);
 	return true;
+}
+
+/*
+ * Appends to the output queue: into the last block while it has room, else
+ * into a new one. Each block is charged at its real cost (OUT_CHUNK_COST);
+ * NC_ERESOURCE_EXHAUSTED when that would pass max_output_bytes.
+ */
+static int client_queue(struct client *c, const uint8_t *bytes, size_t len)
+{
+	struct out_chunk *tail = c->out_tail;
+	if (tail && tail->cap - tail->len >= len) {
+		memcpy(tail->bytes + tail->len, bytes, len);
+		tail->len += len;
+		return 0;
+	}
+	size_t block = c->srv->cfg->max_output_bytes / 8;
+	if (block > OUT_BLOCK_BYTES)
+		block = OUT_BLOCK_BYTES;
+	size_t cap = len > block ? len : block;
+	if (c->out_bytes + OUT_CHUNK_COST(cap) > c->srv->cfg->max_output_bytes)
+		return NC_ERESOURCE_EXHAUSTED;
+	struct out_chunk *chunk = nc__malloc(sizeof(*chunk) + cap);
+	if (!chunk)
+		return NC_ENOMEM;
+	chunk->next = NULL;
+	chunk->len = len;
+	chunk->sent = 0;
+	chunk->cap = cap;
+	memcpy(chunk->bytes, bytes, len);
+	if (tail)
+		tail->next = chunk;
+	else
+		c->out_head = chunk;
+	c->out_tail = chunk;
+	c->out_bytes += OUT_CHUNK_COST(cap);
+	return 0;
 }
 
 void client_send(struct client *c, uint8_t *bytes, size_t len)
@@ -168,8 +209,9 @@ void client_send(struct client *c, uint8_t *bytes, size_t len)
 			return;
 		}
 	}
-	if (c->out_bytes + (len - sent) > c->srv->cfg->max_output_bytes) {
-		nc__free(bytes);
+	int rc = client_queue(c, bytes + sent, len - sent);
+	nc__free(bytes);
+	if (rc == NC_ERESOURCE_EXHAUSTED) {
 		log_warn("event=output_cap client=%llu pid=%d queued=%zu cap=%llu",
 			 (unsigned long long)c->id, (int)c->pid, c->out_bytes,
 			 (unsigned long long)c->srv->cfg->max_output_bytes);
@@ -177,23 +219,14 @@ void client_send(struct client *c, uint8_t *bytes, size_t len)
 		client_close(c, "client does not read its replies (output queue full)");
 		return;
 	}
-	struct out_chunk *chunk = nc__malloc(sizeof(*chunk));
-	if (!chunk) {
-		nc__free(bytes);
+	if (rc) {
 		stats_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
 		client_close(c, "out of memory queueing a reply");
 		return;
 	}
-	chunk->next = NULL;
-	chunk->len = len;
-	chunk->sent = sent;
-	chunk->bytes = bytes;
-	if (c->out_tail)
-		c->out_tail->next = chunk;
-	else
-		c->out_head = chunk;
-	c->out_tail = chunk;
-	c->out_bytes += len - sent;
+	/* Backpressure: read no more requests until the client has read half of this. */
+	if (c->out_bytes >= c->srv->cfg->max_output_bytes / 2)
+		c->output_paused = true;
 	client_update_poll(c);
 }
 
@@ -211,20 +244,25 @@ static void client_flush(struct client *c)
 			return;
 		}
 		chunk->sent += (size_t)n;
-		c->out_bytes -= (size_t)n;
 		if (chunk->sent < chunk->len)
 			break;
 		c->out_head = chunk->next;
 		if (!c->out_head)
 			c->out_tail = NULL;
-		nc__free(chunk->bytes);
+		c->out_bytes -= OUT_CHUNK_COST(chunk->cap);
+		c->srv->freed_since_trim += OUT_CHUNK_COST(chunk->cap);
 		nc__free(chunk);
 	}
 	if (!c->out_head && c->close_after_flush) {
 		client_close(c, "protocol violation");
 		return;
 	}
-	client_update_poll(c);
+	if (c->output_paused && c->out_bytes <= c->srv->cfg->max_output_bytes / 4) {
+		c->output_paused = false;
+		client_resume(c); /* requests read before the pause; re-arms UV_READABLE */
+	} else {
+		client_update_poll(c);
+	}
 	if (c->srv->draining)
 		server_drain_check(c->srv);
 }
@@ -367,14 +405,28 @@ static void client_process_input(struct client *c)
 
 void client_resume(struct client *c)
 {
-	if (!c->closing)
-		client_process_input(c); /* frames that came behind the registration */
+	if (c->closing)
+		return;
+	/* A frame begun before the pause waited on us, not on the client: its clock restarts. */
+	if (c->in_len > 0)
+		c->frame_start_ns = stats_now_ns();
+	client_process_input(c); /* frames that came behind the pause; re-arms the poll */
 }
 
 static int client_reserve_input(struct client *c)
 {
-	/* Room for the largest frame plus one read chunk. */
-	size_t want = c->in_len + CLIENT_READ_CHUNK;
+	/*
+	 * Room for the frame begun plus a little: the buffer stays at one read
+	 * chunk unless a frame is larger, and never passes the next power of two
+	 * above max_frame + its header + CLIENT_READ_ROOM (docs/SECURITY.md).
+	 */
+	size_t want = c->in_len + CLIENT_READ_ROOM;
+	if (c->in_len >= NC__FRAME_HEADER_BYTES) {
+		size_t frame = NC__FRAME_HEADER_BYTES + nc__frame_length(c->in_buf);
+		bool allowed = frame <= NC__FRAME_HEADER_BYTES + c->srv->cfg->max_frame;
+		if (allowed && frame + CLIENT_READ_ROOM > want)
+			want = frame + CLIENT_READ_ROOM;
+	}
 	if (want <= c->in_cap)
 		return 0;
 	size_t cap = c->in_cap ? c->in_cap : CLIENT_READ_CHUNK;
@@ -464,7 +516,8 @@ static void client_on_poll(uv_poll_t *handle, int status, int events)
 	}
 	if (events & UV_WRITABLE)
 		client_flush(c);
-	if (!c->closing && (events & UV_READABLE))
+	/* The flush may have paused input again: a paused client's bytes wait in the socket. */
+	if (!c->closing && (events & UV_READABLE) && !client_input_paused(c))
 		client_read(c);
 	else if (!c->closing && (events & UV_DISCONNECT))
 		client_close(c, "peer closed the connection");

@@ -50,7 +50,7 @@ static const struct config_entry config_table[] = {
 	UINT(max_mappings, "0", 0, UINT32_MAX,
 	     "mappings of client memory, all clients together (0: from vm.max_map_count)"),
 	UINT(max_output_bytes, "4194304", 4096, 1073741824,
-	     "unsent reply bytes per connection before it is dropped"),
+	     "memory of unread replies per connection (reading pauses at half; past it, dropped)"),
 	UINT(max_cols, "16777216", 1, 1073741824, "widest row accepted"),
 	UINT(cpu_workers, "0", 0, 1024, "CPU backend: jobs computed at once (0: one per core)"),
 	UINT(cpu_threads, "0", 0, 1024, "CPU backend: threads per large job (0: cores)"),

@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <grp.h>
+#include <malloc.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -237,6 +238,23 @@ void server_job_started(struct server *srv)
 	}
 }
 
+/* Client buffers freed past this go back to the system (malloc_trim) before the next poll. */
+#define SERVER_TRIM_BYTES (4u << 20)
+
+/*
+ * Many small replies freed leave the heap fragmented, and glibc gives back
+ * only its top on its own: without this, the memory of clients that flooded
+ * and left stayed in the daemon's RSS. Trims once `least` bytes of client
+ * buffers have been freed since the last trim.
+ */
+static void server_trim(struct server *srv, size_t least)
+{
+	if (srv->freed_since_trim == 0 || srv->freed_since_trim < least)
+		return;
+	srv->freed_since_trim = 0;
+	malloc_trim(0);
+}
+
 static void server_reap(uv_prepare_t *handle)
 {
 	struct server *srv = handle->data;
@@ -246,6 +264,7 @@ static void server_reap(uv_prepare_t *handle)
 		client_try_free(c);
 		c = next;
 	}
+	server_trim(srv, SERVER_TRIM_BYTES);
 }
 
 static void server_sweep_deadlines(uv_timer_t *timer)
@@ -254,6 +273,7 @@ static void server_sweep_deadlines(uv_timer_t *timer)
 	uint64_t now = stats_now_ns();
 	for (struct client *c = srv->clients; c; c = c->next)
 		client_check_deadlines(c, now);
+	server_trim(srv, 1); /* what the reaper's threshold left, at most a sweep late */
 }
 
 /*

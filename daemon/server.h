@@ -104,12 +104,18 @@ uint64_t region_mappings_cap(void);
 
 /* ---- clients (client.c) ---------------------------------------------------- */
 
-/* One reply waiting to be written. */
+/*
+ * A block of the output queue: replies the socket did not take, appended
+ * one after another (one allocation for many small replies).
+ */
 struct out_chunk {
 	struct out_chunk *next;
-	size_t len, sent;
-	uint8_t *bytes;
+	size_t len, sent, cap;       /* bytes held, bytes written, room */
+	uint8_t bytes[];
 };
+
+/* What a block costs against max_output_bytes: its allocation plus malloc's own overhead. */
+#define OUT_CHUNK_COST(cap) (sizeof(struct out_chunk) + (cap) + 16)
 
 /* An fd received with SCM_RIGHTS, waiting for the frame it arrived with to be dispatched. */
 struct pending_fd {
@@ -141,7 +147,8 @@ struct client {
 	unsigned pending_fd_count;
 	uint64_t dispatch_frame;     /* stream offset of the frame being dispatched, or UINT64_MAX */
 	struct out_chunk *out_head, *out_tail;
-	size_t out_bytes;            /* unsent bytes queued */
+	size_t out_bytes;            /* memory the output queue holds (OUT_CHUNK_COST of each block) */
+	bool output_paused;          /* backpressure: queue past max_output_bytes / 2, not reading */
 	struct region_table regions;
 	unsigned jobs_in_flight;
 	bool mapping;                /* a registration is being mapped off the loop: input waits */
@@ -166,7 +173,7 @@ void client_send(struct client *c, uint8_t *bytes, size_t len);
 int client_claim_fd(struct client *c);
 /* Frees a closing client once its jobs and handle are done; true if freed. */
 bool client_try_free(struct client *c);
-/* A registration finished mapping (c->mapping is clear): reads input again. */
+/* Whatever paused input (a mapping, jobs in flight, unread output) is clear: reads input again. */
 void client_resume(struct client *c);
 /*
  * Closes the client if Hello is overdue (hello_timeout_ms) or a started
@@ -474,6 +481,7 @@ struct server {
 	struct job *completed_head, *completed_tail;
 	uv_timer_t drain_timer;
 	uv_timer_t deadline_timer;   /* sweeps clients for overdue Hellos and frames */
+	size_t freed_since_trim;     /* client buffer bytes freed since the last malloc_trim */
 	uv_timer_t notify_status_timer;   /* STATUS= for systemd every few seconds (notify.c) */
 	uv_timer_t notify_watchdog_timer; /* WATCHDOG=1 when the unit sets WatchdogSec= */
 	bool notify_timers_ready;    /* the two timers above are initialised */
