@@ -357,6 +357,14 @@ static void client_refuse_frame(struct client *c, const uint8_t *body, size_t le
 	c->close_after_flush = true;
 }
 
+/* Whether a frame may carry an fd: a RegisterRegion of a kind that needs one. */
+static bool envelope_takes_fd(const Normd__Envelope *env)
+{
+	return env->body_case == NORMD__ENVELOPE__BODY_REGISTER_REGION &&
+	       (env->register_region->kind == NORMD__REGION_KIND__HOST_MEMFD ||
+		env->register_region->kind == NORMD__REGION_KIND__CUDA_VMM_FD);
+}
+
 /* Decodes and dispatches every complete frame in the input buffer. */
 static void client_process_input(struct client *c)
 {
@@ -383,6 +391,9 @@ static void client_process_input(struct client *c)
 			client_refuse_frame(c, c->in_buf + pos - body, body, why);
 			break;
 		}
+		/* Fds sent with a frame that takes none are closed before it is answered. */
+		if (!envelope_takes_fd(env))
+			client_close_stray_fds(c, frame);
 		c->dispatch_frame = frame;
 		dispatch_envelope(c, env);
 		c->dispatch_frame = UINT64_MAX;
