@@ -367,6 +367,18 @@ static void deadline_to_timespec(int64_t deadline_ms, struct timespec *ts)
 	ts->tv_nsec = (deadline_ms % 1000) * 1000000;
 }
 
+/* Waits (conn->lock held) for another thread's read or the deadline (-1: none); false at the deadline. */
+static bool wait_for_reader_locked(nc_conn *conn, int64_t deadline)
+{
+	if (deadline < 0) {
+		pthread_cond_wait(&conn->cond, &conn->lock);
+		return true;
+	}
+	struct timespec ts;
+	deadline_to_timespec(deadline, &ts);
+	return pthread_cond_timedwait(&conn->cond, &conn->lock, &ts) != ETIMEDOUT;
+}
+
 int nc__await(nc_conn *conn, uint64_t request_id, int timeout_ms, Normd__Envelope **out)
 {
 	int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
@@ -392,19 +404,11 @@ int nc__await(nc_conn *conn, uint64_t request_id, int timeout_ms, Normd__Envelop
 			}
 			continue; /* a broken connection is seen above */
 		}
-		if (deadline < 0) {
-			pthread_cond_wait(&conn->cond, &conn->lock);
-		} else {
-			struct timespec ts;
-			deadline_to_timespec(deadline, &ts);
-			if (pthread_cond_timedwait(&conn->cond, &conn->lock, &ts) == ETIMEDOUT &&
-			    !(*out = take_reply(conn, request_id))) {
+		if (!wait_for_reader_locked(conn, deadline)) {
+			if (!(*out = take_reply(conn, request_id)))
 				rc = nc__fail(NC_ETIMEOUT, "no reply from normd within %d ms",
 					      timeout_ms);
-				break;
-			}
-			if (*out)
-				break;
+			break;
 		}
 	}
 	pthread_mutex_unlock(&conn->lock);
@@ -494,16 +498,9 @@ int nc__await_enqueued(nc_conn *conn, int timeout_ms)
 			}
 			continue;
 		}
-		if (deadline < 0) {
-			pthread_cond_wait(&conn->cond, &conn->lock);
-		} else {
-			struct timespec ts;
-			deadline_to_timespec(deadline, &ts);
-			if (pthread_cond_timedwait(&conn->cond, &conn->lock, &ts) == ETIMEDOUT &&
-			    conn->enqueued.count > 0) {
-				rc = NC_ETIMEOUT;
-				break;
-			}
+		if (!wait_for_reader_locked(conn, deadline) && conn->enqueued.count > 0) {
+			rc = NC_ETIMEOUT;
+			break;
 		}
 	}
 	pthread_mutex_unlock(&conn->lock);

@@ -9,6 +9,7 @@
 #ifndef NORMD_GPU_TEST_H
 #define NORMD_GPU_TEST_H
 
+#include <cuda_runtime_api.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <sys/wait.h>
@@ -74,6 +75,24 @@ static inline int in_child_read(int (*fn)(int fd, void *arg), void *arg, void *b
 		  WEXITSTATUS(status) == 0 && read(fds[0], buf, len) == (ssize_t)len;
 	close(fds[0]);
 	return ok ? 0 : -1;
+}
+
+/* Device-wide free memory, read in a child so that the caller stays CUDA-free; -1 on failure. */
+static inline int gpu_test_free_memory_child(int fd, void *arg)
+{
+	(void)arg;
+	size_t free_b = 0, total = 0;
+	if (cudaMemGetInfo(&free_b, &total) != cudaSuccess)
+		return 1;
+	unsigned long long v = free_b;
+	return write(fd, &v, sizeof(v)) == sizeof(v) ? 0 : 1;
+}
+
+static inline long long device_free_bytes(void)
+{
+	unsigned long long v = 0;
+	return in_child_read(gpu_test_free_memory_child, NULL, &v, sizeof(v)) == 0 ? (long long)v
+										  : -1;
 }
 
 /* Prints one check's outcome and counts it. */

@@ -122,23 +122,6 @@ static pid_t fork_helper(void)
 	return pid;
 }
 
-/* Device-wide free memory, read in a child so that the caller stays CUDA-free. */
-static int free_memory_child(int fd, void *arg)
-{
-	(void)arg;
-	size_t free_b = 0, total = 0;
-	if (cudaMemGetInfo(&free_b, &total) != cudaSuccess)
-		return 1;
-	unsigned long long v = free_b;
-	return write(fd, &v, sizeof(v)) == sizeof(v) ? 0 : 1;
-}
-
-static long long device_free_bytes(void)
-{
-	unsigned long long v = 0;
-	return in_child_read(free_memory_child, NULL, &v, sizeof(v)) == 0 ? (long long)v : -1;
-}
-
 /* Polls the daemon at `socket_path` until it runs no jobs; the milliseconds it took, or -1. */
 static double wait_no_jobs(const char *socket_path, int timeout_ms)
 {

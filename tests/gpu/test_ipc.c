@@ -116,23 +116,6 @@ static int many_clients(void *arg)
 	return 0;
 }
 
-/* Device-wide free memory, read in a child so this process stays CUDA-free. */
-static int free_memory_child(int fd, void *arg)
-{
-	(void)arg;
-	size_t free_b = 0, total = 0;
-	if (cudaMemGetInfo(&free_b, &total) != cudaSuccess)
-		return 1;
-	unsigned long long v = free_b;
-	return write(fd, &v, sizeof(v)) == sizeof(v) ? 0 : 1;
-}
-
-static long long device_free_bytes(void)
-{
-	unsigned long long v = 0;
-	return in_child_read(free_memory_child, NULL, &v, sizeof(v)) == 0 ? (long long)v : -1;
-}
-
 static int daemon_stats(struct nc_stats *stats)
 {
 	return gpu_test_stats(daemon_.socket, stats);
