@@ -1,6 +1,7 @@
 """normd.Client: one connection to the daemon, its memory and its jobs."""
 
 import ctypes
+import itertools
 import os
 import sys
 import threading
@@ -202,6 +203,9 @@ class Client:
                                    ctypes.byref(handle)))
         self._conn = _Conn(self._lib, handle.value)
         self._finalizer = weakref.finalize(self, self._conn.close)
+        # torch.library ops take plain arguments: they name their client by this key.
+        self._key = next(_client_keys)
+        _clients[self._key] = self
 
     # ---- the connection ---------------------------------------------------------
 
@@ -656,6 +660,24 @@ def set_completion_mode(mode):
     old, _completion = _completion, (None if mode is None
                                      else _checked_mode(mode, "completion mode"))
     return old
+
+
+# ---- clients by key (normd.normalization's torch.library ops) --------------------
+
+_client_keys = itertools.count(1)  # 0 names the default client
+_clients = weakref.WeakValueDictionary()
+
+
+def client_by_key(key):
+    """The Client whose ``_key`` is `key`; 0 (or None) gives default_client()."""
+    if not key:
+        return default_client()
+    client = _clients.get(int(key))
+    if client is None:
+        raise NormdError(_lib.STATUS_CODES["INVALID_ARGUMENT"],
+                         "normd.Client #%d no longer exists (it was garbage collected); "
+                         "keep a reference to the client a module uses" % key)
+    return client
 
 
 # ---- the default client ----------------------------------------------------------

@@ -24,11 +24,19 @@ UNSUPPORTED says so).
 
 Where torch computes instead (documented fallback, as apex's modules do for
 non-CUDA input): CPU tensors, float64, empty inputs, and TorchScript /
-tracing / torch.compile. The fallback computes in float32 (float64 for
-float64 input) and returns the dtype the daemon path would. Setting
-``NORMD_TORCH_CPU=daemon`` sends CPU tensors to the daemon instead (through
-shared-memory copies; for testing the binding against a CPU-backend
-daemon).
+tracing. The fallback computes in float32 (float64 for float64 input) and
+returns the dtype the daemon path would. Setting ``NORMD_TORCH_CPU=daemon``
+sends CPU tensors to the daemon instead (through shared-memory copies; for
+testing the binding against a CPU-backend daemon).
+
+Under torch.compile (and torch.export) the modules and functions call
+normd's torch.library ops instead of the autograd Functions, so the daemon
+still computes (see normd.normalization.custom_ops); the Functions
+themselves are for eager code. A CUDA graph cannot hold a normd job (a
+replay would not reach the daemon): a job asked for while the current
+stream is capturing raises NormdError UNSUPPORTED, and the ops carry
+PyTorch's ``cudagraph_unsafe`` tag so that
+``torch.compile(mode="reduce-overhead")`` leaves them out of its graphs.
 
 Dtypes: ``FusedLayerNorm``/``FusedRMSNorm`` and the ``fused_*`` functions
 return the input's dtype; their weights are the input's dtype or float32
@@ -53,8 +61,9 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.nn import init
 
-from .._lib import DType, Op
+from .._lib import STATUS_CODES, DType, Op
 from ..client import completion_mode, default_client
+from ..errors import NormdError
 
 __all__ = [
     "FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm",
@@ -74,12 +83,23 @@ _OUTPUTS = {Op.LAYERNORM_FWD: ("y", "mean", "rstd"), Op.RMSNORM_FWD: ("y", "rstd
 _STAGE_ALIGN = 64
 _STAGE_KEY = 0  # the CPU backend's order key of staged jobs in the enqueue mode
 
+_CAPTURE_MESSAGE = (
+    "normd: the current CUDA stream is capturing a CUDA graph, and a normd job cannot be "
+    "captured (a graph replays kernels, not the call that sends the job to the daemon, so "
+    "every replay would skip the job). Run normd's norms outside capture: torch.compile(mode="
+    "\"reduce-overhead\") keeps them out of its CUDA graphs on PyTorch >= 2.9 (the "
+    "cudagraph_unsafe tag); with torch.cuda.graph, capture the work before and after the norm "
+    "as separate graphs")
+
 # ---- when the daemon computes ---------------------------------------------------
 
 
-def _compiling():
-    if torch.jit.is_scripting() or torch.jit.is_tracing():
-        return True
+def _scripting():
+    return torch.jit.is_scripting() or torch.jit.is_tracing()
+
+
+def _dynamo_compiling():
+    """True while torch.compile / torch.export traces the caller."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler and getattr(compiler, "is_compiling", None) and compiler.is_compiling())
 
@@ -88,9 +108,9 @@ def _staged_cpu():
     return os.environ.get("NORMD_TORCH_CPU", "torch").strip().lower() == "daemon"
 
 
-def _use_daemon(input):
-    """Whether `input` goes to the daemon (else torch computes; see the module doc)."""
-    if _compiling() or input.dtype not in _DTYPES or input.numel() == 0:
+def _daemon_input(input):
+    """Whether the daemon can compute on `input` (dtype, size, device)."""
+    if input.dtype not in _DTYPES or input.numel() == 0:
         return False
     return input.is_cuda or (input.device.type == "cpu" and _staged_cpu())
 
@@ -123,7 +143,7 @@ def _check_param(name, param, input, shape):
                                                                    input.device))
 
 
-def _plan(input, weight, bias, mixed):
+def _plan(input_dtype, weight, bias, mixed):
     """(upcast, weight_dtype) for the job, or TypeError for unsupported dtypes.
 
     upcast: the mixed forms with float32 weights and half input compute on
@@ -132,12 +152,12 @@ def _plan(input, weight, bias, mixed):
     if bias is not None and (weight is None or bias.dtype != weight.dtype):
         raise TypeError("bias must have the weight's dtype (weight %s, bias %s)"
                         % (None if weight is None else weight.dtype, bias.dtype))
-    if weight is None or weight.dtype == input.dtype:
+    if weight is None or weight.dtype == input_dtype:
         return False, None
     if weight.dtype == torch.float32:
         return mixed, None if mixed else DType.F32
     raise TypeError("normd: weights must have the input's dtype or be float32 (input %s, "
-                    "weight %s)" % (input.dtype, weight.dtype))
+                    "weight %s)" % (input_dtype, weight.dtype))
 
 
 # ---- running one job on torch tensors -------------------------------------------
@@ -150,6 +170,8 @@ def _run(client, op, rows, cols, eps, memory_efficient, weight_dtype, tensors):
     args = dict(eps=eps, memory_efficient=memory_efficient, weight_dtype=weight_dtype,
                 dtype=_DTYPES[first.dtype])
     if first.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            raise NormdError(STATUS_CODES["UNSUPPORTED"], _CAPTURE_MESSAGE)
         stream = torch.cuda.current_stream(first.device).cuda_stream
         mode = completion_mode()
         if mode == "enqueue":
@@ -209,7 +231,7 @@ def _forward(client, rms, input, weight, bias, shape, eps, mixed):
     rows, cols = _rows_cols(input, shape)
     _check_param("weight", weight, input, shape)
     _check_param("bias", bias, input, shape)
-    upcast, weight_dtype = _plan(input, weight, bias, mixed)
+    upcast, weight_dtype = _plan(input.dtype, weight, bias, mixed)
     x = input.contiguous()
     if upcast:
         x = x.float()
@@ -402,7 +424,7 @@ def _torch_norm(rms, input, shape, weight, bias, eps, mixed):
     _check_param("weight", weight, input, shape)
     _check_param("bias", bias, input, shape)
     if input.dtype in _DTYPES:
-        _plan(input, weight, bias, mixed)  # the same dtype rules as the daemon path
+        _plan(input.dtype, weight, bias, mixed)  # the same dtype rules as the daemon path
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
     out_dtype = weight.dtype if mixed and weight is not None else input.dtype
     x = input.to(compute)
@@ -442,16 +464,21 @@ def _autocast_cast(*tensors):
 
 
 def _norm(rms, mixed, input, weight, bias, normalized_shape, eps, memory_efficient, client):
-    """Dispatches one call: the daemon through the right Function, or torch."""
+    """Dispatches one call: the daemon through the right Function or op, or torch."""
     shape = _normalized_shape(normalized_shape)
-    if not _use_daemon(input):
+    if _scripting() or not _daemon_input(input):
         return _torch_norm(rms, input, shape, weight, bias, eps, mixed)
+    if _dynamo_compiling():
+        if not _custom_ops.AVAILABLE:
+            return _torch_norm(rms, input, shape, weight, bias, eps, mixed)
+        run = _custom_ops.norm
+    else:
+        run = _apply
     if input.is_cuda:
         input, weight, bias = _autocast_cast(input, weight, bias)
         with torch.autocast("cuda", enabled=False):
-            return _apply(rms, mixed, input, weight, bias, shape, eps, memory_efficient,
-                          client)
-    return _apply(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client)
+            return run(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client)
+    return run(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client)
 
 
 def _apply(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):
@@ -599,3 +626,7 @@ class MixedFusedRMSNorm(FusedRMSNorm):
 
     def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
         _mixed_init(MixedFusedRMSNorm, self, normalized_shape, eps, memory_efficient, kwargs)
+
+
+# The ops use this module's helpers, so they are defined once it is complete.
+from . import custom_ops as _custom_ops  # noqa: E402
