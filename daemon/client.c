@@ -105,6 +105,7 @@ static void client_drop_output(struct client *c)
 		nc__free(chunk);
 	}
 	c->srv->freed_since_trim += c->out_bytes;
+	c->srv->out_bytes_total -= c->out_bytes;
 	c->out_tail = NULL;
 	c->out_bytes = 0;
 }
@@ -165,7 +166,8 @@ static int client_queue(struct client *c, const uint8_t *bytes, size_t len)
 	if (block > OUT_BLOCK_BYTES)
 		block = OUT_BLOCK_BYTES;
 	size_t cap = len > block ? len : block;
-	if (c->out_bytes + OUT_CHUNK_COST(cap) > c->srv->cfg->max_output_bytes)
+	if (c->out_bytes + OUT_CHUNK_COST(cap) > c->srv->cfg->max_output_bytes ||
+	    c->srv->out_bytes_total + OUT_CHUNK_COST(cap) > c->srv->cfg->max_output_bytes_total)
 		return NC_ERESOURCE_EXHAUSTED;
 	struct out_chunk *chunk = nc__malloc(sizeof(*chunk) + cap);
 	if (!chunk)
@@ -181,6 +183,7 @@ static int client_queue(struct client *c, const uint8_t *bytes, size_t len)
 		c->out_head = chunk;
 	c->out_tail = chunk;
 	c->out_bytes += OUT_CHUNK_COST(cap);
+	c->srv->out_bytes_total += OUT_CHUNK_COST(cap);
 	return 0;
 }
 
@@ -212,9 +215,11 @@ void client_send(struct client *c, uint8_t *bytes, size_t len)
 	int rc = client_queue(c, bytes + sent, len - sent);
 	nc__free(bytes);
 	if (rc == NC_ERESOURCE_EXHAUSTED) {
-		log_warn("event=output_cap client=%llu pid=%d queued=%zu cap=%llu",
+		log_warn("event=output_cap client=%llu pid=%d queued=%zu cap=%llu "
+			 "queued_total=%zu cap_total=%llu",
 			 (unsigned long long)c->id, (int)c->pid, c->out_bytes,
-			 (unsigned long long)c->srv->cfg->max_output_bytes);
+			 (unsigned long long)c->srv->cfg->max_output_bytes, c->srv->out_bytes_total,
+			 (unsigned long long)c->srv->cfg->max_output_bytes_total);
 		stats_count_rejection(c->srv, NC_REJECT_OUTPUT_CAP);
 		client_close(c, "client does not read its replies (output queue full)");
 		return;
@@ -224,8 +229,13 @@ void client_send(struct client *c, uint8_t *bytes, size_t len)
 		client_close(c, "out of memory queueing a reply");
 		return;
 	}
-	/* Backpressure: read no more requests until the client has read half of this. */
-	if (c->out_bytes >= c->srv->cfg->max_output_bytes / 2)
+	/*
+	 * Backpressure: read no more requests from a client with half its own
+	 * cap unread, or with anything unread while all clients together hold
+	 * half the daemon-wide cap.
+	 */
+	if (c->out_bytes >= c->srv->cfg->max_output_bytes / 2 ||
+	    (c->out_bytes > 0 && c->srv->out_bytes_total >= c->srv->cfg->max_output_bytes_total / 2))
 		c->output_paused = true;
 	client_update_poll(c);
 }
@@ -250,6 +260,7 @@ static void client_flush(struct client *c)
 		if (!c->out_head)
 			c->out_tail = NULL;
 		c->out_bytes -= OUT_CHUNK_COST(chunk->cap);
+		c->srv->out_bytes_total -= OUT_CHUNK_COST(chunk->cap);
 		c->srv->freed_since_trim += OUT_CHUNK_COST(chunk->cap);
 		nc__free(chunk);
 	}
@@ -257,7 +268,10 @@ static void client_flush(struct client *c)
 		client_close(c, "protocol violation");
 		return;
 	}
-	if (c->output_paused && c->out_bytes <= c->srv->cfg->max_output_bytes / 4) {
+	/* A client that has read everything resumes whatever others hold. */
+	if (c->output_paused && c->out_bytes <= c->srv->cfg->max_output_bytes / 4 &&
+	    (c->out_bytes == 0 ||
+	     c->srv->out_bytes_total < c->srv->cfg->max_output_bytes_total / 2)) {
 		c->output_paused = false;
 		client_resume(c); /* requests read before the pause; re-arms UV_READABLE */
 	} else {

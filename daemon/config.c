@@ -51,6 +51,9 @@ static const struct config_entry config_table[] = {
 	     "mappings of client memory, all clients together (0: from vm.max_map_count)"),
 	UINT(max_output_bytes, "4194304", 4096, 1073741824,
 	     "memory of unread replies per connection (reading pauses at half; past it, dropped)"),
+	UINT(max_output_bytes_total, "268435456", 4096, UINT64_MAX,
+	     "memory of unread replies, all connections together (reading from connections with "
+	     "unread replies pauses at half; past it, the one whose reply does not fit is dropped)"),
 	UINT(max_cols, "16777216", 1, 1073741824, "widest row accepted"),
 	UINT(cpu_workers, "0", 0, 1024, "CPU backend: jobs computed at once (0: one per core)"),
 	UINT(cpu_threads, "0", 0, 1024, "CPU backend: threads per large job (0: cores)"),

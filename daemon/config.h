@@ -24,7 +24,8 @@ struct config {
 	uint64_t max_mapped_bytes;   /* bytes of registered regions per connection */
 	uint64_t max_jobs_in_flight; /* per connection */
 	uint64_t max_mappings;       /* client memory mappings, daemon-wide (0 = from max_map_count) */
-	uint64_t max_output_bytes;   /* unsent reply bytes per connection before disconnect */
+	uint64_t max_output_bytes;
+	uint64_t max_output_bytes_total;   /* unsent reply bytes per connection before disconnect */
 	uint64_t max_cols;       /* widest row accepted */
 	uint64_t cpu_workers;    /* CPU backend: jobs computed at once (0 = cores) */
 	uint64_t cpu_threads;    /* CPU backend: threads per job (0 = cores) */

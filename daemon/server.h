@@ -482,6 +482,7 @@ struct server {
 	uv_timer_t drain_timer;
 	uv_timer_t deadline_timer;   /* sweeps clients for overdue Hellos and frames */
 	size_t freed_since_trim;     /* client buffer bytes freed since the last malloc_trim */
+	size_t out_bytes_total;      /* every connection's out_bytes together */
 	uv_timer_t notify_status_timer;   /* STATUS= for systemd every few seconds (notify.c) */
 	uv_timer_t notify_watchdog_timer; /* WATCHDOG=1 when the unit sets WatchdogSec= */
 	bool notify_timers_ready;    /* the two timers above are initialised */

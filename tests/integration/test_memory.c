@@ -12,7 +12,10 @@
  *                          + max_regions x 256 + max_jobs_in_flight x 1024 + 1024)
  *
  * where the input buffer is 64 KiB for a max_frame of 16 KiB, and rss_start
- * is the daemon's RSS once it has served one good client. A good client is
+ * is the daemon's RSS once it has served one good client; the second run
+ * caps all output queues together (max_output_bytes_total) below what the
+ * clients' own caps add up to, and its bound counts that cap instead of
+ * clients x max_output_bytes. A good client is
  * served while the flood is on; after the flooders disconnect, the RSS is
  * back within 20% of rss_start. (Without malloc_trim the freed blocks stay
  * in the daemon's heap.)
@@ -36,6 +39,7 @@
 #define FLOODERS 250
 #define FLOOD_MS 1500
 #define MAX_OUTPUT 262144
+#define MAX_OUTPUT_TOTAL (12u << 20) /* the second run's daemon-wide cap, < FLOODERS x MAX_OUTPUT */
 #define MAX_REGIONS 16
 #define MAX_JOBS 16
 #define INPUT_BUFFER 65536 /* docs/SECURITY.md: max(64 KiB, 2^k >= max_frame + 4100) */
@@ -51,6 +55,9 @@
 #else
 #define RSS_CHECKED true
 #endif
+
+/* The daemon-wide cap of the group running (0: the default, above FLOODERS x MAX_OUTPUT). */
+static uint64_t output_total;
 
 static uint64_t now_ms(void)
 {
@@ -127,9 +134,11 @@ static void test_unread_replies_stay_within_bound(void **state)
 	assert_true(good_client_works(group_daemon.socket));
 	uint64_t rss_start = daemon_status_bytes("VmRSS");
 	int fds_start = test_daemon_fd_count(&group_daemon);
-	uint64_t per_client =
-		MAX_OUTPUT + INPUT_BUFFER + MAX_REGIONS * 256 + MAX_JOBS * 1024 + 1024;
-	uint64_t bound = rss_start + FLOODERS * per_client;
+	uint64_t per_client = INPUT_BUFFER + MAX_REGIONS * 256 + MAX_JOBS * 1024 + 1024;
+	uint64_t outputs = (uint64_t)FLOODERS * MAX_OUTPUT;
+	if (output_total && output_total < outputs)
+		outputs = output_total;
+	uint64_t bound = rss_start + FLOODERS * per_client + outputs;
 
 	static int fds[FLOODERS];
 	static size_t offsets[FLOODERS];
@@ -186,5 +195,13 @@ int main(void)
 		"--max-regions", "16", "--max-jobs-in-flight", "16",
 		NULL,
 	};
-	return test_run_group(tests, extra);
+	int failed = test_run_group(tests, extra);
+	static const char *const capped[] = {
+		"--max-output-bytes", "262144", "--max-frame", "16384",
+		"--max-regions", "16", "--max-jobs-in-flight", "16",
+		"--max-output-bytes-total", "12582912",
+		NULL,
+	};
+	output_total = MAX_OUTPUT_TOTAL;
+	return failed | test_run_group(tests, capped);
 }
