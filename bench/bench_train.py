@@ -15,9 +15,11 @@ Issue 18, item 6; `make bench-gpu` runs it. One run measures, on GPU 0:
     imports (otherwise its column says why it was skipped);
   - normd: normd.normalization.FusedLayerNorm / FusedRMSNorm, once per
     completion mode (enqueue, event, sync: normd.set_completion_mode).
-  Each eager and compiled (torch.compile of the model, fullgraph=True;
-  apex's autograd Function is not traceable, so apex compiles with graph
-  breaks allowed). A step's time is wall time from a synchronized GPU to a
+  Each eager and compiled (torch.compile of the model, fullgraph=True, one
+  compilation serving normd's three modes, which are read when the op
+  runs; apex's Function calls its CUDA extension, which dynamo need not
+  trace, so apex compiles with graph breaks allowed and the notes count
+  them). A step's time is wall time from a synchronized GPU to a
   synchronized GPU (torch.cuda.synchronize + perf_counter), so the host
   cost of sending normd's jobs counts as it does in a training loop that
   reads its loss every step. The variants of one d_model take their steps
@@ -49,14 +51,20 @@ BUILD/bin/normd --config /dev/null --device 0 (or cpu) on a socket in a
 private directory, also its --state-dir, and stops it at the end.
 
 MPS: `--mps` runs the measurement twice, each in a process of its own,
-because MPS must be chosen before CUDA initialises: first without MPS (the
-child's CUDA_MPS_PIPE_DIRECTORY names an empty private directory, so that
-no MPS daemon of anyone else's captures it), then under an MPS control
-daemon this script starts (nvidia-cuda-mps-control -d, pipe and log
-directories private, exported before the child and its normd start) and
-stops (quit) at the end. Each run prints "MPS: yes/no" as normd's stats
-report it. Where the control daemon cannot be found or started, the script
-says so and skips that run. `--mps only` runs under MPS alone.
+because MPS must be chosen before CUDA initialises: first without MPS
+(where an MPS control daemon of someone else's already listens, the
+child's CUDA_MPS_PIPE_DIRECTORY names an empty private directory so that
+it does not capture the child), then under an MPS control daemon this
+script starts (nvidia-cuda-mps-control -d, from PATH or
+/usr/local/nvidia/bin, with private pipe and log directories exported
+before the child and its normd start) and stops (quit) at the end. Each
+run prints "MPS: yes/no" as normd's stats report it. Where the control
+daemon cannot be found or started, the script says so and skips that run.
+`--mps only` runs under MPS alone.
+
+Run time: compilation dominates (three models per d_model and norm kind);
+--norms, --d-models, --impls, --modes and --no-compile split a run into
+pieces that fit a time limit.
 
 Usage (GPU machine, after `make gpu-progs`; bench-gpu does this):
 
@@ -249,15 +257,21 @@ def run_worker(argv, env, label):
 
 def run_without_mps(argv):
     """The run without MPS; (status, JSON)."""
-    empty = tempfile.mkdtemp(prefix="normd-bench-nomps.")
-    env = dict(os.environ)
-    env.pop("CUDA_MPS_LOG_DIRECTORY", None)
-    # CUDA looks for an MPS control pipe in this directory; an empty one means no MPS.
-    env["CUDA_MPS_PIPE_DIRECTORY"] = empty
+    env, empty = dict(os.environ), None
+    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    if os.path.exists(os.path.join(pipe, "control")):
+        # Someone's MPS control daemon would capture the child: CUDA looks for the
+        # control pipe in CUDA_MPS_PIPE_DIRECTORY, and an empty directory has none.
+        print("note: an MPS control daemon listens at %s; this run points "
+              "CUDA_MPS_PIPE_DIRECTORY at an empty directory instead" % pipe, flush=True)
+        empty = tempfile.mkdtemp(prefix="normd-bench-nomps.")
+        env["CUDA_MPS_PIPE_DIRECTORY"] = empty
+        env.pop("CUDA_MPS_LOG_DIRECTORY", None)
     try:
         rc, data = run_worker(argv, env, "off")
     finally:
-        shutil.rmtree(empty, ignore_errors=True)
+        if empty:
+            shutil.rmtree(empty, ignore_errors=True)
     return rc, data or {"mps_requested": False, "exit_status": rc}
 
 
@@ -522,11 +536,13 @@ class Group:
     def prepare(self, v):
         """The correctness step from the reference weights (and compiling), then warm-up."""
         from torch._dynamo.utils import counters
+        if self.ref_state is None:
+            raise RuntimeError("no reference weights: PyTorch's model failed first")
         model, opt = self.models[v.impl], self.opts[v.impl]
         v.fn = self.fn_for(v)
         model.load_state_dict(self.ref_state)
         counters.clear()
-        jobs_before = self.w.jobs_ok()
+        jobs_before = self.w.settled_jobs_ok()
         with completion(v.mode):
             start = time.perf_counter()
             model.zero_grad(set_to_none=True)
@@ -590,7 +606,7 @@ def check_text(check):
             "ok" if check["ok"] else "OUT OF TOLERANCE", 100 * check["loss_rel"],
             100 * check["grad_rel"], "" if check["ok"] else " (%s)" % check["grad_param"])
     return "WRONG: the daemon ran %d jobs, not %d" % (check["daemon_jobs"],
-                                                       check["expected_jobs"])
+                                                      check["expected_jobs"])
 
 
 # ---- the measurement process -------------------------------------------------------------
@@ -678,6 +694,17 @@ class Worker:
         if self.cuda:
             torch.cuda.synchronize()
 
+    def settled_jobs_ok(self):
+        """The daemon's jobs_ok once two readings 20 ms apart agree (1 s at most)."""
+        deadline, last = time.monotonic() + 1, self.jobs_ok()
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            now = self.jobs_ok()
+            if now == last:
+                break
+            last = now
+        return last
+
     def jobs_ok(self, target=None):
         """The daemon's jobs_ok; with target, once it reaches it (5 s at most)."""
         deadline = time.monotonic() + 5
@@ -707,13 +734,13 @@ class Worker:
         self.out["config"] = info
         print("GPU: %s; torch %s; apex: %s" % (gpu, info["torch"], info["apex"]))
         print("normd %s, daemon %s; library %s" % (info["normd_server"], info["daemon"],
-                                                    info["normd_library"]))
+                                                   info["normd_library"]))
         print("MPS: %s (normd's stats)%s" % (mps, "; an MPS daemon of ours was started"
                                              if info["mps_requested"] else ""))
         print("date %s, commit %s" % (info["date"], info["commit"]))
         if info["alloc_conf"]:
             print("PYTORCH_CUDA_ALLOC_CONF=%s" % info["alloc_conf"])
-        print("model: %d pre-norm blocks, bf16, %d tokens (batch %d x seq %d), heads of %d, "
+        print("model: pre-norm blocks x%d, bf16, %d tokens (batch %d x seq %d), heads of %d, "
               "MLP 4x GELU, linear head + MSE, AdamW; median of %d steps in %d rounds after "
               "%d warm-up" % (args.layers, args.tokens, batch, args.seq, args.head_dim,
                               args.steps, args.rounds, args.warmup), flush=True)
@@ -729,9 +756,11 @@ class Worker:
             try:
                 times = time_calls(fn, calls, mode, self.client, self.sync)
                 row.update(median_us=statistics.median(times), p90_us=percentile(times, 0.9))
-                base = base or row["median_us"]
-                print("| %s | %.1f | %.1f | %.2f |" % (name, row["median_us"], row["p90_us"],
-                                                       row["median_us"] / base), flush=True)
+                if name == "F.layer_norm":
+                    base = row["median_us"]
+                ratio = "%.2f" % (row["median_us"] / base) if base else "-"
+                print("| %s | %.1f | %.1f | %s |" % (name, row["median_us"], row["p90_us"],
+                                                     ratio), flush=True)
             except Exception as e:
                 row["error"] = error_text(e)
                 self.failures += 1
@@ -844,8 +873,8 @@ def print_train_tables(norm, records, args):
         print("| %d | %s | %s |" % (d, "compiled" if c else "eager",
                                     " | ".join(timing(cells.get((d, c, col))) for col in columns)))
     print("\n%s check, one step against PyTorch eager from the same weights: loss and worst "
-          "gradient, relative (tolerance %g%% / %g%%)\n" % (title, 100 * LOSS_RTOL,
-                                                           100 * GRAD_RTOL))
+          "gradient, relative (tolerance %g%% / %g%%)\n"
+          % (title, 100 * LOSS_RTOL, 100 * GRAD_RTOL))
     print(head)
     for d, c in rows:
         print("| %d | %s | %s |" % (d, "compiled" if c else "eager",
