@@ -263,6 +263,8 @@ bench-gpu: gpu-progs
 	@sh bench/run.sh $(B)
 	@LD_LIBRARY_PATH=$(B)/lib/gpu-host $(B)/bench/bench_latency
 	@LD_LIBRARY_PATH=$(B)/lib/gpu-host python3 bench/bench_wgrad.py $(B)
+	@LD_LIBRARY_PATH=$(B)/lib/gpu-host python3 bench/bench_train.py --build $(B) --mps \
+		--json $${BENCH_LOG_DIR:-/tmp}/bench_train.json
 
 # ---- install -------------------------------------------------------------------
 # make install [PREFIX=/usr/local] [DESTDIR=staging root]: binaries (normd in
