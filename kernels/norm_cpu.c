@@ -13,14 +13,17 @@
  *     (NK_CPU_FP32, kernels/norm_cpu_f32.c) and REAL = double for the
  *     reference (NK_CPU_REFERENCE, kernels/norm_cpu_f64.c). This file cuts
  *     a job into blocks, runs them on threads and picks the table.
- *   - Forward: two-pass statistics, mean first, then the variance of x - mean
- *     (RMSNorm: the mean of x^2), y = (x - mean) * rstd * gamma + beta.
- *   - Backward, with g = gamma (or 1) and xh = x_hat:
- *       LN:  dx = rstd * (dy*g - mean(dy*g) - xh * mean(dy*g*xh))
- *       RMS: dx = rstd * (dy*g - xh * mean(dy*g*xh))
+ *   - Forward: with a residual, x is replaced by s = x + residual rounded to
+ *     dtype (and stored); two-pass statistics, mean first, then the variance
+ *     of x - mean (RMSNorm: the mean of x^2), y = (x - mean) * rstd * g +
+ *     beta with g = weight_offset + gamma (or 1). FP8 output stores
+ *     y * scale rounded once to FP8, and amax = max |y| over the blocks.
+ *   - Backward, with g as above and xh = x_hat:
+ *       LN:  dx = rstd * (dy*g - mean(dy*g) - xh * mean(dy*g*xh)) + ds
+ *       RMS: dx = rstd * (dy*g - xh * mean(dy*g*xh)) + ds
  *       dgamma = sum over rows of dy*xh, dbeta = sum over rows of dy.
- *     Memory-efficient backward recomputes xh = (y - beta) / clamp(gamma)
- *     (RMS: y / clamp(gamma)); the dy*g terms keep the real gamma.
+ *     Memory-efficient backward recomputes xh = (y - beta) / clamp(g)
+ *     (RMS: y / clamp(g)); the dy*g terms keep the real g.
  *   - Rows are cut into at most MAX_BLOCKS blocks by a rule of rows and cols
  *     alone. Worker threads take whole blocks; each backward block sums its
  *     rows, in row order, into its own dgamma/dbeta partial in the compute
@@ -145,6 +148,15 @@ static unsigned char *job_alloc(struct cpu_job *job, int nworkers, size_t *scrat
 	return p;
 }
 
+/* FP8 output: the largest of the blocks' max |y| (order-free), stored as fp32. */
+static void finish_amax(const struct cpu_job *job)
+{
+	double amax = 0;
+	for (int64_t b = 0; b < job->nblocks; b++)
+		amax = job->part_amax[b] > amax ? job->part_amax[b] : amax;
+	store_stat(job->args->amax, 0, (float)amax);
+}
+
 int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
 		struct nk_norm_result *result)
 {
@@ -174,6 +186,9 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
 	job.layernorm = args->op == NK_LAYERNORM_FWD || args->op == NK_LAYERNORM_BWD;
 	job.backward = args->op == NK_LAYERNORM_BWD || args->op == NK_RMSNORM_BWD;
 	job.mem_eff = args->flags & NK_MEMORY_EFFICIENT;
+	job.residual = !job.backward && args->residual;
+	if (!job.backward && args->y_fp8 != NK_FP8_NONE)
+		job.scale = load_stat(args->scale, 0);
 
 	int nworkers = worker_count(&job, opts);
 	scratch = job_alloc(&job, nworkers, &scratch_bytes, &block);
@@ -184,6 +199,8 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
 	run_blocks(&job, scratch, scratch_bytes, nworkers);
 	if (job.backward)
 		job.kernels->finish(&job, scratch);
+	else if (args->y_fp8 != NK_FP8_NONE && args->amax)
+		finish_amax(&job);
 	free(block);
 
 	if (result)

@@ -22,7 +22,8 @@
 #define THREADED_MIN_ELEMS (256 * 1024)
 
 /* Rows of scratch (each `cols` of the compute type) one worker needs:
- * x_hat, dy (then dx), and the chunk partials of dgamma and dbeta. */
+ * x_hat (then ds), dy (then dx), and the chunk partials of dgamma and
+ * dbeta; a forward uses two, the row and its residual. */
 #define SCRATCH_ROWS 4
 /* Backward sums this many rows into a chunk partial before adding it to
  * its block's partial. */
@@ -48,16 +49,19 @@ struct cpu_job {
 	const struct nk_norm_args *args;
 	const struct cpu_kernels *kernels;
 	int64_t rows, cols;
-	int64_t nblocks;	 /* blocks of consecutive rows, see block_rows() */
-	bool layernorm;		 /* LayerNorm, not RMSNorm */
-	bool backward;		 /* a backward op */
-	bool mem_eff;		 /* backward reads y and recomputes x_hat */
-	void *gamma;		 /* [cols] gamma, or ones when absent */
-	void *beta;		 /* [cols] beta, or zeros when absent */
-	void *gamma_div;	 /* [cols] clamp(gamma), divides y (mem-eff only) */
-	void *part_dgamma;	 /* [nblocks][cols] per-block sums of dy*xh, or NULL */
-	void *part_dbeta;	 /* [nblocks][cols] per-block sums of dy, or NULL */
-	atomic_llong next_block; /* the next block a worker takes */
+	int64_t nblocks;	      /* blocks of consecutive rows, see block_rows() */
+	bool layernorm;		      /* LayerNorm, not RMSNorm */
+	bool backward;		      /* a backward op */
+	bool mem_eff;		      /* backward reads y and recomputes x_hat */
+	bool residual;		      /* forward: normalizes s = x + residual, stores s */
+	double scale;		      /* FP8 output: y * scale is what is rounded */
+	double part_amax[MAX_BLOCKS]; /* FP8 output: max |y| of each block, NaN skipped */
+	void *gamma;		      /* [cols] weight_offset + gamma, or ones when absent */
+	void *beta;		      /* [cols] beta, or zeros when absent */
+	void *gamma_div;	      /* [cols] clamp(weight), divides y (mem-eff only) */
+	void *part_dgamma;	      /* [nblocks][cols] per-block sums of dy*xh, or NULL */
+	void *part_dbeta;	      /* [nblocks][cols] per-block sums of dy, or NULL */
+	atomic_llong next_block;      /* the next block a worker takes */
 };
 
 /* Rows [*first, *end) of a block: blocks differ in size by at most one row. */

@@ -104,30 +104,79 @@ static void add_to(REAL *dst, const REAL *src, int64_t n)
 		dst[j] += src[j];
 }
 
-/* Forward of one row; v is a scratch row of cols elements. */
-static void forward_row(const struct cpu_job *job, int64_t row, REAL *v)
+/*
+ * s = x + residual of one row into v, rounded once to dtype and stored in
+ * residual_out; v then holds the stored s, which is what the norm (and a
+ * backward reading residual_out) sees. The sum in REAL is the correctly
+ * rounded one after the rounding to dtype: float and double carry at least
+ * 2p + 2 bits of every dtype's p, so rounding twice changes nothing.
+ */
+static void residual_row(const struct cpu_job *job, int64_t first, REAL *v, REAL *r)
+{
+	const struct nk_norm_args *a = job->args;
+	int64_t n = job->cols;
+
+	load_row(a->dtype, a->residual, first, n, r);
+	for (int64_t j = 0; j < n; j++)
+		v[j] = (REAL)nk_round(a->dtype, (double)(v[j] + r[j]));
+	store_row(a->dtype, a->residual_out, first, n, v);
+}
+
+/*
+ * FP8 output of one row: v (y before scaling) is scaled in place, and the
+ * largest |y| is returned (NaN skipped, as fmaxf does; 0 for a row of NaN).
+ */
+static double scale_row(const struct cpu_job *job, REAL *v)
+{
+	REAL scale = (REAL)job->scale, amax = 0;
+
+	for (int64_t j = 0; j < job->cols; j++) {
+		REAL m = v[j] < 0 ? -v[j] : v[j];
+		if (m > amax)
+			amax = m;
+		v[j] *= scale;
+	}
+	return (double)amax;
+}
+
+/*
+ * Forward of one row with two scratch rows (v, and r for the residual);
+ * returns the row's max |y| for FP8 output, else 0. Every input of the row
+ * is read before any of its outputs is written (in-place forms).
+ */
+static double forward_row(const struct cpu_job *job, int64_t row, REAL *v, REAL *r)
 {
 	const struct nk_norm_args *a = job->args;
 	const REAL *g = job->gamma, *b = job->beta;
 	int64_t n = job->cols, first = row * n;
 	REAL mean = 0, rstd;
+	double amax = 0;
 
 	load_row(a->dtype, a->x, first, n, v);
+	if (job->residual)
+		residual_row(job, first, v, r);
 	if (job->layernorm) {
 		mean = row_sum(v, n) / (REAL)n;
 		for (int64_t j = 0; j < n; j++)
 			v[j] -= mean;
 	}
-	/* v is now x - mean (LayerNorm) or x (RMSNorm). */
+	/* v is now x - mean (LayerNorm) or x (RMSNorm); x is s with a residual. */
 	rstd = (REAL)1 / REAL_SQRT(row_dot(v, v, n) / (REAL)n + (REAL)a->eps);
 	for (int64_t j = 0; j < n; j++)
 		v[j] = v[j] * rstd * g[j] + b[j];
 
-	store_row(a->dtype, a->y, first, n, v);
+	if (a->y_fp8 != NK_FP8_NONE) {
+		amax = scale_row(job, v);
+		for (int64_t j = 0; j < n; j++)
+			((uint8_t *)a->y)[first + j] = nk_fp8_from_double(a->y_fp8, (double)v[j]);
+	} else {
+		store_row(a->dtype, a->y, first, n, v);
+	}
 	if (a->mean)
 		store_stat(a->mean, row, (float)mean);
 	if (a->rstd)
 		store_stat(a->rstd, row, (float)rstd);
+	return amax;
 }
 
 /* Overwrites the row of x (or y) in xh with x_hat. */
@@ -148,8 +197,9 @@ static void x_hat_row(const struct cpu_job *job, int64_t row, REAL rstd, REAL *x
 }
 
 /*
- * Backward of one row with two scratch rows: xh receives x_hat, dyg dy and
- * then dx. pg/pb (may be NULL) are the block's dgamma/dbeta partials.
+ * Backward of one row with two scratch rows: xh receives x_hat (then ds),
+ * dyg dy and then dx. pg/pb (may be NULL) are the block's dgamma/dbeta
+ * partials. g is the weight, weight_offset + gamma.
  */
 static void backward_row(const struct cpu_job *job, int64_t row, REAL *xh, REAL *dyg, REAL *pg,
 			 REAL *pb)
@@ -177,6 +227,12 @@ static void backward_row(const struct cpu_job *job, int64_t row, REAL *xh, REAL 
 	REAL m2 = row_dot(dyg, xh, n) / (REAL)n;
 	for (int64_t j = 0; j < n; j++)
 		dyg[j] = rstd * (dyg[j] - m1 - xh[j] * m2);
+	/* The residual's gradient joins before the one rounding of dx. */
+	if (a->ds) {
+		load_row(a->dtype, a->ds, first, n, xh);
+		for (int64_t j = 0; j < n; j++)
+			dyg[j] += xh[j];
+	}
 	store_row(a->dtype, a->dx, first, n, dyg);
 }
 
@@ -215,8 +271,13 @@ static void run_block(struct cpu_job *job, int64_t block, void *scratch)
 
 	block_rows(job, block, &first, &end);
 	if (!job->backward) {
-		for (int64_t r = first; r < end; r++)
-			forward_row(job, r, scratch);
+		REAL *v = scratch, *res = v + n;
+		double amax = 0;
+		for (int64_t r = first; r < end; r++) {
+			double m = forward_row(job, r, v, res);
+			amax = m > amax ? m : amax;
+		}
+		job->part_amax[block] = amax;
 		return;
 	}
 	if (job->part_dgamma) {
@@ -247,7 +308,11 @@ static REAL clamp_by_magnitude(REAL g, REAL eps, uint32_t *clamped)
 	return g;
 }
 
-/* Converts gamma and beta (ones and zeros when absent) and clamps gamma. */
+/*
+ * Converts the weight, weight_offset + gamma (ones when gamma is absent),
+ * and beta (zeros when absent) to the compute type, and clamps the weight
+ * for the memory-efficient backward.
+ */
 static uint32_t prepare(struct cpu_job *job)
 {
 	const struct nk_norm_args *a = job->args;
@@ -258,6 +323,12 @@ static uint32_t prepare(struct cpu_job *job)
 
 	if (a->gamma) {
 		load_row(a->weight_dtype, a->gamma, 0, n, g);
+		/* Zero-centered (offset 1) and Gemma's weights: added in REAL, never rounded to
+		 * weight_dtype. */
+		if (a->weight_offset != 0.0f) {
+			for (int64_t j = 0; j < n; j++)
+				g[j] += (REAL)a->weight_offset;
+		}
 	} else {
 		for (int64_t j = 0; j < n; j++)
 			g[j] = 1;
