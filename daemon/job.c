@@ -33,6 +33,14 @@ _Static_assert(NORMD__OP__LAYERNORM_FWD == 1 && NORMD__OP__LAYERNORM_BWD == 2 &&
 		       NORMD__OP__WGRAD_ACCUM == NC__JOB_OPS,
 	       "the columns of NC__JOB_ROLE_MAP follow normd.Op");
 
+_Static_assert((int)NC_FEATURE_RESIDUAL == (int)NK_FEATURE_RESIDUAL &&
+		       (int)NC_FEATURE_WEIGHT_OFFSET == (int)NK_FEATURE_WEIGHT_OFFSET &&
+		       (int)NC_FEATURE_FP8_OUTPUT == (int)NK_FEATURE_FP8_OUTPUT,
+	       "HelloReply.norm_features carries enum nk_features as enum nc_norm_features");
+_Static_assert((int)NC_F8E4M3 == (int)NORMD__DTYPE__F8E4M3 &&
+		       (int)NC_F8E5M2 == (int)NORMD__DTYPE__F8E5M2,
+	       "enum nc_dtype follows normd.DType");
+
 struct op_rules {
 	enum nk_op nk_op;
 	const char *name;
