@@ -7,9 +7,10 @@
  * offset + byte size lies inside it, with every product and sum checked for
  * 64-bit overflow; and that outputs overlap inputs only as the in-place
  * forms allow (proto/job_roles.h). Only then are region references taken
- * and the job handed to the backend, if it runs the job's variants. Workers give finished jobs back through a mutex-
- * protected queue and uv_async_send; the loop drains the whole queue on each
- * wake-up (libuv coalesces wake-ups).
+ * and the job handed to the backend, if the backend runs the job's variants.
+ * Workers give finished jobs back through a mutex-protected queue and
+ * uv_async_send; the loop drains the whole queue on each wake-up (libuv
+ * coalesces wake-ups).
  */
 #include "daemon/server.h"
 
@@ -260,14 +261,15 @@ static int job_check_types(struct job *job, const Normd__Job *msg, const struct 
 /*
  * Where a tensor lies for the alias check: in a memfd by the file's
  * identity and offset (two registrations of one memfd are two mappings of
- * one memory), elsewhere by its address in the daemon.
+ * one memory), elsewhere (or a memfd of unknown identity: inode 0) by its
+ * address in the daemon.
  */
 static void job_span(const struct region *region, uint64_t offset, uint64_t bytes,
 		     struct nc__span *span)
 {
 	span->present = true;
 	span->bytes = bytes;
-	if (region->kind == NORMD__REGION_KIND__HOST_MEMFD) {
+	if (region->kind == NORMD__REGION_KIND__HOST_MEMFD && region->file_ino != 0) {
 		span->memory[0] = region->file_dev + 1; /* never 0, the address space's tag */
 		span->memory[1] = region->file_ino;
 		span->start = offset;
