@@ -95,7 +95,8 @@ $(B)/obj/kernels/%.cu.o: kernels/%.cu kernels/norm_kernels.h kernels/norm_cuda_i
 	$(NVCC) $(NVCC_FLAGS) -c $< -o $@
 
 PROTO_OBJS := $(B)/obj/gen/normd.pb-c.o $(B)/obj/proto/frame.o
-KERNEL_CPU_OBJS := $(B)/obj/kernels/norm_cpu.o $(B)/obj/kernels/norm_common.o \
+KERNEL_CPU_OBJS := $(B)/obj/kernels/norm_cpu.o $(B)/obj/kernels/norm_cpu_f32.o \
+	$(B)/obj/kernels/norm_cpu_f64.o $(B)/obj/kernels/norm_common.o \
 	$(B)/obj/kernels/cuda_driver.o $(B)/obj/kernels/wgrad_cpu.o $(B)/obj/kernels/wgrad_cublas.o
 KERNEL_CUDA_OBJS := $(patsubst kernels/%.cu,$(B)/obj/kernels/%.cu.o,$(wildcard kernels/*.cu))
 DAEMON_SRCS := $(wildcard daemon/*.c)

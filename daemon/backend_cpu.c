@@ -142,6 +142,7 @@ int backend_cpu_create(const struct config *cfg, struct backend **out)
 	cpu->base.region_map = cpu_region_map;
 	cpu->base.submit = cpu_submit;
 	cpu->base.destroy = cpu_destroy;
+	cpu->base.norm_features = NK_FEATURES_ALL;
 	cpu->threads_per_job = cfg->cpu_threads ? (int)cfg->cpu_threads : (int)cores;
 	int workers = cfg->cpu_workers ? (int)cfg->cpu_workers : (int)cores;
 	cpu->workers = nc__calloc((size_t)workers, sizeof(*cpu->workers));

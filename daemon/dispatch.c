@@ -21,7 +21,11 @@ static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__H
 		reply_result(c, request_id, NC_EPROTOCOL_ERROR, "Hello sent twice");
 		return;
 	}
-	/* Version 1 lacks only the enqueue mode: its clients are still served. */
+	/*
+	 * Each version only adds to the one before (2: the enqueue mode; 3: the
+	 * norm variants), and an older client never sends what it lacks: all
+	 * are served.
+	 */
 	if (hello->protocol_version < 1 ||
 	    hello->protocol_version > NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION) {
 		stats_count_rejection(c->srv, NC_REJECT_BAD_VERSION);
@@ -41,8 +45,10 @@ static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__H
 		c->name[i] = '\0';
 	}
 	c->hello_done = true;
-	log_info("event=hello client=%llu pid=%d uid=%d name=%s", (unsigned long long)c->id,
-		 (int)c->pid, (int)c->uid, c->name);
+	c->protocol_version = hello->protocol_version;
+	log_info("event=hello client=%llu pid=%d uid=%d name=%s protocol=%u",
+		 (unsigned long long)c->id, (int)c->pid, (int)c->uid, c->name,
+		 hello->protocol_version);
 	reply_hello(c, request_id);
 }
 

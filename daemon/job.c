@@ -3,12 +3,14 @@
  *
  * job_validate() checks everything a client controls before anything runs:
  * the op, shape, eps and dtypes; which tensors the op needs and which it must
- * not get; and, for each tensor, that its region is this connection's and
- * that offset + byte size lies inside it, with every product and sum checked
- * for 64-bit overflow. Only then are region references taken and the job
- * handed to the backend. Workers give finished jobs back through a mutex-
- * protected queue and uv_async_send; the loop drains the whole queue on each
- * wake-up (libuv coalesces wake-ups).
+ * not get; for each tensor, that its region is this connection's and that
+ * offset + byte size lies inside it, with every product and sum checked for
+ * 64-bit overflow; and that outputs overlap inputs only as the in-place
+ * forms allow (proto/job_roles.h). Only then are region references taken
+ * and the job handed to the backend, if the backend runs the job's variants.
+ * Workers give finished jobs back through a mutex-protected queue and
+ * uv_async_send; the loop drains the whole queue on each wake-up (libuv
+ * coalesces wake-ups).
  */
 #include "daemon/server.h"
 
@@ -31,6 +33,14 @@ _Static_assert(NORMD__OP__LAYERNORM_FWD == 1 && NORMD__OP__LAYERNORM_BWD == 2 &&
 		       NORMD__OP__RMSNORM_FWD == 3 && NORMD__OP__RMSNORM_BWD == 4 &&
 		       NORMD__OP__WGRAD_ACCUM == NC__JOB_OPS,
 	       "the columns of NC__JOB_ROLE_MAP follow normd.Op");
+
+_Static_assert((int)NC_FEATURE_RESIDUAL == (int)NK_FEATURE_RESIDUAL &&
+		       (int)NC_FEATURE_WEIGHT_OFFSET == (int)NK_FEATURE_WEIGHT_OFFSET &&
+		       (int)NC_FEATURE_FP8_OUTPUT == (int)NK_FEATURE_FP8_OUTPUT,
+	       "HelloReply.norm_features carries enum nk_features as enum nc_norm_features");
+_Static_assert((int)NC_F8E4M3 == (int)NORMD__DTYPE__F8E4M3 &&
+		       (int)NC_F8E5M2 == (int)NORMD__DTYPE__F8E5M2,
+	       "enum nc_dtype follows normd.DType");
 
 struct op_rules {
 	enum nk_op nk_op;
@@ -63,6 +73,7 @@ static const struct op_rules *rules_for(Normd__Op op)
 	}
 }
 
+/* x's and the weights' dtypes: FP8 is refused here (it is y_dtype's alone). */
 static bool dtype_from_wire(Normd__DType wire, enum nk_dtype *out)
 {
 	switch (wire) {
@@ -96,8 +107,9 @@ static int job_refuse(struct job *job, int status, const char *fmt, ...)
 static Normd__Tensor *job_tensor(const Normd__Job *msg, enum nc__job_role role)
 {
 	Normd__Tensor *const tensors[JOB_MAX_TENSORS] = {
-		msg->x,	   msg->y,  msg->mean,	 msg->rstd,  msg->gamma,     msg->beta,
-		msg->dy,   msg->dx, msg->dgamma, msg->dbeta, msg->main_grad,
+		msg->x,	       msg->y,		 msg->mean, msg->rstd,	msg->gamma, msg->beta,
+		msg->dy,       msg->dx,		 msg->dgamma, msg->dbeta, msg->main_grad,
+		msg->residual, msg->residual_out, msg->ds,   msg->scale, msg->amax,
 	};
 	return tensors[role];
 }
@@ -113,6 +125,9 @@ static uint64_t role_elems(const struct job *job, enum nc__job_role role)
 		return role == NC__ROLE_DY ? rows * out : out * cols;
 	}
 	switch (role) {
+	case NC__ROLE_SCALE:
+	case NC__ROLE_AMAX:
+		return 1;
 	case NC__ROLE_MEAN:
 	case NC__ROLE_RSTD:
 		return rows;
@@ -131,8 +146,11 @@ static size_t role_elem_size(const struct job *job, enum nc__job_role role)
 	const struct nk_norm_args *a = &job->args;
 	if (role == NC__ROLE_MAIN_GRAD)
 		return nk_dtype_size(job->gemm.grad_dtype);
-	if (role == NC__ROLE_MEAN || role == NC__ROLE_RSTD)
+	if (role == NC__ROLE_MEAN || role == NC__ROLE_RSTD || role == NC__ROLE_SCALE ||
+	    role == NC__ROLE_AMAX)
 		return sizeof(float);
+	if (role == NC__ROLE_Y && a->y_fp8 != NK_FP8_NONE)
+		return 1;
 	if (role == NC__ROLE_GAMMA || role == NC__ROLE_BETA || role == NC__ROLE_DGAMMA ||
 	    role == NC__ROLE_DBETA)
 		return nk_dtype_size(a->weight_dtype);
@@ -189,9 +207,38 @@ static int job_check_wgrad(struct job *job, const Normd__Job *msg)
 	return 0;
 }
 
+static bool is_fp8(Normd__DType wire)
+{
+	return wire == NORMD__DTYPE__F8E4M3 || wire == NORMD__DTYPE__F8E5M2;
+}
+
+/* y_dtype: dtype itself, or an FP8 format for a norm forward (protocol 3). */
+static int job_check_y_dtype(struct job *job, const Normd__Job *msg, const struct op_rules *r)
+{
+	struct nk_norm_args *a = &job->args;
+	a->y_fp8 = NK_FP8_NONE;
+	if (!msg->has_y_dtype || msg->y_dtype == msg->dtype)
+		return 0;
+	if (!is_fp8(msg->y_dtype))
+		return job_refuse(job, NC_EINVALID_ARGUMENT,
+				  "y_dtype %d must be dtype (%d) or F8E4M3/F8E5M2", (int)msg->y_dtype,
+				  (int)msg->dtype);
+	if (r->backward || msg->op == NORMD__OP__WGRAD_ACCUM)
+		return job_refuse(job, NC_EINVALID_ARGUMENT,
+				  "FP8 output (y_dtype %d) applies to forward norms, not %s",
+				  (int)msg->y_dtype, r->name);
+	a->y_fp8 = msg->y_dtype == NORMD__DTYPE__F8E4M3 ? NK_FP8_E4M3 : NK_FP8_E5M2;
+	return 0;
+}
+
 static int job_check_types(struct job *job, const Normd__Job *msg, const struct op_rules *r)
 {
 	struct nk_norm_args *a = &job->args;
+	if (is_fp8(msg->dtype) || (msg->has_weight_dtype && is_fp8(msg->weight_dtype)))
+		return job_refuse(job, NC_EINVALID_ARGUMENT,
+				  "FP8 (dtype %d) is an output format: name it in y_dtype; dtype and "
+				  "weight_dtype are F32, F16 or BF16",
+				  (int)(is_fp8(msg->dtype) ? msg->dtype : msg->weight_dtype));
 	if (!dtype_from_wire(msg->dtype, &a->dtype))
 		return job_refuse(job, NC_EINVALID_ARGUMENT, "dtype %d is not F32, F16 or BF16",
 				  (int)msg->dtype);
@@ -208,12 +255,34 @@ static int job_check_types(struct job *job, const Normd__Job *msg, const struct 
 		return job_refuse(job, NC_EINVALID_ARGUMENT,
 				  "memory_efficient and accumulate apply to backward ops, not %s",
 				  r->name);
-	return 0;
+	return job_check_y_dtype(job, msg, r);
+}
+
+/*
+ * Where a tensor lies for the alias check: in a memfd by the file's
+ * identity and offset (two registrations of one memfd are two mappings of
+ * one memory), elsewhere (or a memfd of unknown identity: inode 0) by its
+ * address in the daemon.
+ */
+static void job_span(const struct region *region, uint64_t offset, uint64_t bytes,
+		     struct nc__span *span)
+{
+	span->present = true;
+	span->bytes = bytes;
+	if (region->kind == NORMD__REGION_KIND__HOST_MEMFD && region->file_ino != 0) {
+		span->memory[0] = region->file_dev + 1; /* never 0, the address space's tag */
+		span->memory[1] = region->file_ino;
+		span->start = offset;
+		return;
+	}
+	span->memory[0] = span->memory[1] = 0;
+	span->start = (uint64_t)(uintptr_t)region->base + offset;
 }
 
 /* Resolves one tensor into a pointer, checking region and bounds. */
 static int job_bind_tensor(struct job *job, const struct region_table *regions,
-			   const Normd__Tensor *t, enum nc__job_role role, const void **out)
+			   const Normd__Tensor *t, enum nc__job_role role, const void **out,
+			   struct nc__span *span)
 {
 	const char *name = nc__job_role_name(role);
 	struct region *region = region_lookup(regions, t->region_id);
@@ -240,7 +309,27 @@ static int job_bind_tensor(struct job *job, const struct region_table *regions,
 	job->regions[job->region_count++] = region;
 	job->bytes += bytes;
 	*out = (const char *)region->base + offset;
+	job_span(region, offset, bytes, span);
 	return 0;
+}
+
+/* A forbidden overlap of two tensors (proto/job_roles.h), refused with both ranges named. */
+static int job_check_aliases(struct job *job, const Normd__Job *msg,
+			     const struct nc__span spans[JOB_MAX_TENSORS])
+{
+	enum nc__job_role a, b;
+	enum nc__alias verdict = nc__job_alias_check(msg->op, spans, &a, &b);
+	if (verdict == NC__ALIAS_OK)
+		return 0;
+	const Normd__Tensor *ta = job_tensor(msg, a), *tb = job_tensor(msg, b);
+	return job_refuse(job, NC_EINVALID_ARGUMENT,
+			  "tensor %s (region %llu, bytes %llu+%llu) overlaps %s (region %llu, "
+			  "bytes %llu+%llu): %s",
+			  nc__job_role_name(a), (unsigned long long)ta->region_id,
+			  (unsigned long long)ta->offset, (unsigned long long)spans[a].bytes,
+			  nc__job_role_name(b), (unsigned long long)tb->region_id,
+			  (unsigned long long)tb->offset, (unsigned long long)spans[b].bytes,
+			  nc__alias_why(verdict));
 }
 
 /* What the job's op does with a role: the memory-efficient backward reads y, not mean. */
@@ -251,8 +340,10 @@ static enum nc__role_use job_role_use(const Normd__Job *msg, enum nc__job_role r
 	return nc__job_role_use(msg->op, role);
 }
 
+/* Binds every tensor of the job, recording where each lies in spans[] (by role). */
 static int job_bind_tensors(struct job *job, const struct region_table *regions,
-			    const Normd__Job *msg, const struct op_rules *r)
+			    const Normd__Job *msg, const struct op_rules *r,
+			    struct nc__span spans[JOB_MAX_TENSORS])
 {
 	const void *ptr[JOB_MAX_TENSORS] = {0};
 	for (int i = 0; i < NC__ROLE_COUNT; i++) {
@@ -269,7 +360,7 @@ static int job_bind_tensors(struct job *job, const struct region_table *regions,
 					  role == NC__ROLE_MEAN && msg->memory_efficient
 					      ? " with memory_efficient"
 					      : "");
-		if (t && job_bind_tensor(job, regions, t, role, &ptr[role]))
+		if (t && job_bind_tensor(job, regions, t, role, &ptr[role], &spans[role]))
 			return job->status;
 	}
 	/* A job runs where its memory is: every tensor on one device. */
@@ -291,6 +382,11 @@ static int job_bind_tensors(struct job *job, const struct region_table *regions,
 	a->dx = (void *)ptr[NC__ROLE_DX];
 	a->dgamma = (void *)ptr[NC__ROLE_DGAMMA];
 	a->dbeta = (void *)ptr[NC__ROLE_DBETA];
+	a->residual = ptr[NC__ROLE_RESIDUAL];
+	a->residual_out = (void *)ptr[NC__ROLE_RESIDUAL_OUT];
+	a->ds = ptr[NC__ROLE_DS];
+	a->scale = ptr[NC__ROLE_SCALE];
+	a->amax = (float *)ptr[NC__ROLE_AMAX];
 	job->main_grad = (void *)ptr[NC__ROLE_MAIN_GRAD];
 	return 0;
 }
@@ -309,6 +405,9 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 			return job_refuse(job, NC_EINVALID_ARGUMENT,
 					  "WGRAD_ACCUM takes gemm_beta, not memory_efficient or "
 					  "accumulate");
+		if (msg->has_weight_offset && msg->weight_offset != 0.0f)
+			return job_refuse(job, NC_EINVALID_ARGUMENT,
+					  "WGRAD_ACCUM takes no weight_offset");
 		if (job_check_wgrad(job, msg))
 			return job->status;
 	}
@@ -319,15 +418,17 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 	a->eps = msg->has_eps ? msg->eps : 1e-5f;
 	a->flags = (msg->memory_efficient ? NK_MEMORY_EFFICIENT : 0u) |
 		   (msg->accumulate ? NK_ACCUMULATE : 0u);
+	a->weight_offset = msg->has_weight_offset ? msg->weight_offset : 0.0f;
 	/*
 	 * max_cols is judged after binding, so that a refused enqueued job still
 	 * has its outputs to poison; it is still the error reported first.
 	 */
-	job->bound = job_bind_tensors(job, regions, msg, r) == 0;
+	struct nc__span spans[JOB_MAX_TENSORS] = {{0}};
+	job->bound = job_bind_tensors(job, regions, msg, r, spans) == 0;
 	if (msg->cols > cfg->max_cols)
 		job_refuse(job, NC_EOUT_OF_RANGE, "cols %llu exceeds max_cols %llu",
 			   (unsigned long long)msg->cols, (unsigned long long)cfg->max_cols);
-	if (job->status)
+	if (job->status || job_check_aliases(job, msg, spans))
 		return job->status;
 	if (msg->has_wait_event && msg->wait_event.len != 64)
 		return job_refuse(job, NC_EINVALID_ARGUMENT,
@@ -358,9 +459,10 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 	return 0;
 }
 
-unsigned job_outputs(const struct job *job, struct job_output out[4])
+unsigned job_outputs_all(const struct job *job, struct job_output out[JOB_MAX_OUTPUTS])
 {
-	static const enum nc__job_role fwd[] = {NC__ROLE_Y, NC__ROLE_MEAN, NC__ROLE_RSTD};
+	static const enum nc__job_role fwd[] = {NC__ROLE_Y, NC__ROLE_RESIDUAL_OUT, NC__ROLE_AMAX,
+						NC__ROLE_RSTD, NC__ROLE_MEAN};
 	static const enum nc__job_role bwd[] = {NC__ROLE_DX, NC__ROLE_DGAMMA, NC__ROLE_DBETA};
 	static const enum nc__job_role wgrad[] = {NC__ROLE_MAIN_GRAD};
 	const struct nk_norm_args *a = &job->args;
@@ -372,13 +474,18 @@ unsigned job_outputs(const struct job *job, struct job_output out[4])
 		[NC__ROLE_DGAMMA] = a->dgamma,
 		[NC__ROLE_DBETA] = a->dbeta,
 		[NC__ROLE_MAIN_GRAD] = job->main_grad,
+		[NC__ROLE_RESIDUAL_OUT] = a->residual_out,
+		[NC__ROLE_AMAX] = a->amax,
 	};
 	const enum nc__job_role *roles = fwd;
-	if (job->wgrad)
+	unsigned count = sizeof(fwd) / sizeof(fwd[0]), n = 0;
+	if (job->wgrad) {
 		roles = wgrad;
-	else if (rules_for(job->op)->backward)
+		count = 1;
+	} else if (rules_for(job->op)->backward) {
 		roles = bwd;
-	unsigned count = job->wgrad ? 1 : 3, n = 0;
+		count = sizeof(bwd) / sizeof(bwd[0]);
+	}
 	for (unsigned i = 0; i < count; i++) {
 		if (!ptr[roles[i]])
 			continue;
@@ -389,11 +496,44 @@ unsigned job_outputs(const struct job *job, struct job_output out[4])
 	return n;
 }
 
+unsigned job_outputs(const struct job *job, struct job_output out[4])
+{
+	struct job_output all[JOB_MAX_OUTPUTS];
+	unsigned n = job_outputs_all(job, all);
+	n = n > 4 ? 4 : n;
+	memcpy(out, all, n * sizeof(all[0]));
+	return n;
+}
+
 void job_release(struct job *job)
 {
 	for (unsigned i = 0; i < job->region_count; i++)
 		region_unref(job->regions[i]);
 	nc__free(job);
+}
+
+/* The names of the variants of enum nk_features, for refusals. */
+static const char *feature_names(unsigned features)
+{
+	if (features & NK_FEATURE_RESIDUAL)
+		return "residual-add (residual, ds)";
+	if (features & NK_FEATURE_WEIGHT_OFFSET)
+		return "weight_offset (zero-centered gamma)";
+	return "FP8 output (y_dtype F8E4M3/F8E5M2)";
+}
+
+/* A valid job whose variants the backend does not run is UNSUPPORTED, never run plain. */
+static int job_check_backend(struct job *job, const struct backend *backend)
+{
+	if (job->wgrad)
+		return 0;
+	unsigned missing = nk_norm_features(&job->args) & ~backend->norm_features;
+	if (!missing)
+		return 0;
+	return job_refuse(job, NC_EUNSUPPORTED,
+			  "the %s backend does not run %s jobs yet (HelloReply.norm_features "
+			  "lists what it runs; the cpu backend runs every variant)",
+			  backend->name, feature_names(missing));
 }
 
 /*
@@ -415,7 +555,8 @@ static struct job *job_new_validated(struct client *c, uint64_t request_id,
 	job->op = msg->op;
 	job->deadline_us = msg->has_deadline_us ? msg->deadline_us : 0;
 	job->t_arrive_ns = stats_now_ns();
-	if (job_validate(job, &c->regions, srv->cfg, msg) != 0)
+	if (job_validate(job, &c->regions, srv->cfg, msg) != 0 ||
+	    job_check_backend(job, srv->backend) != 0)
 		stats_count_rejection(srv, job->status == NC_ENOT_FOUND ? NC_REJECT_UNKNOWN_REGION
 									: NC_REJECT_BAD_JOB);
 	return job;

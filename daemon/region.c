@@ -319,6 +319,8 @@ int region_map_memfd(int fd, uint64_t id, uint64_t size, struct region **out, ch
 		goto out_close;
 	}
 	region->base = base;
+	region->file_dev = (uint64_t)st.st_dev;
+	region->file_ino = (uint64_t)st.st_ino;
 	*out = region;
 	rc = 0;
 out_close:

@@ -110,6 +110,8 @@ void reply_hello(struct client *c, uint64_t request_id)
 	hello.server_pid = (uint32_t)getpid();
 	hello.has_mps = backend->kind == NORMD__BACKEND_KIND__BACKEND_CUDA;
 	hello.mps = backend->mps;
+	hello.has_norm_features = true;
+	hello.norm_features = backend->norm_features;
 
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.has_request_id = true;

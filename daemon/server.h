@@ -34,7 +34,8 @@
 #include "normd.pb-c.h"
 
 #define CLIENT_MAX_PENDING_FDS 8 /* fds received but not yet claimed by a frame */
-#define JOB_MAX_TENSORS 11
+#define JOB_MAX_TENSORS 16 /* the roles of proto/job_roles.h */
+#define JOB_MAX_OUTPUTS 5  /* a forward with y, residual_out, mean, rstd and amax */
 
 struct backend;
 struct client;
@@ -53,6 +54,8 @@ struct region {
 	unsigned refs;          /* 1 while registered + 1 per job using it */
 	uint8_t handle[64];     /* CUDA_IPC: the handle bytes it was opened from */
 	void *mapping;          /* backend-owned state shared by regions of one handle */
+	uint64_t file_dev, file_ino; /* HOST_MEMFD: the memfd's identity, so that the alias
+				    check sees two registrations of one memfd as one memory */
 	void (*release)(struct region *region); /* backend unmapping; NULL for memfd */
 };
 
@@ -134,6 +137,7 @@ struct client {
 	uid_t uid;
 	gid_t gid;
 	char name[64];               /* from Hello */
+	uint32_t protocol_version;   /* from Hello (1 to PROTOCOL_VERSION) */
 	bool hello_done;             /* Hello accepted; other requests allowed */
 	bool closing;                /* no more input; freed when jobs and handle are done */
 	bool close_after_flush;      /* protocol violation: send what is queued, then close */
@@ -221,7 +225,7 @@ struct job {
 	uint64_t deadline_us;
 	uint64_t t_arrive_ns, t_start_ns, t_end_ns;
 	int status;                  /* NC_OK or NC_E*, set by the backend */
-	char message[160];
+	char message[256];
 	char variant[64];
 	uint32_t clamped_cols;
 	struct estream *estream;     /* the enqueue mode: the caller stream it is ordered with */
@@ -233,12 +237,16 @@ struct job {
 
 /*
  * A job's outputs as byte ranges, for poisoning a failed enqueued job
- * (0xff bytes are NaN in f32, f16 and bf16). Returns how many (at most 4).
+ * (0xff bytes are NaN in f32, f16, bf16 and both FP8 formats).
+ * job_outputs_all returns how many (at most JOB_MAX_OUTPUTS); job_outputs
+ * the first 4 of them, in the order y, residual_out, amax, rstd, mean (a
+ * LayerNorm forward with every output has 5: its mean is left out).
  */
 struct job_output {
 	void *ptr;
 	uint64_t bytes;
 };
+unsigned job_outputs_all(const struct job *job, struct job_output out[JOB_MAX_OUTPUTS]);
 unsigned job_outputs(const struct job *job, struct job_output out[4]);
 
 /*
@@ -372,6 +380,12 @@ struct backend {
 	 */
 	bool orders_streams;
 	bool mps;                    /* the device contexts run under NVIDIA MPS */
+	/*
+	 * The norm variants it runs (enum nk_features; HelloReply.norm_features):
+	 * a job using another is refused with UNSUPPORTED before it is queued.
+	 * 0 (the default of a zeroed backend) runs the plain norms only.
+	 */
+	unsigned norm_features;
 	/* Creates the backend's state of a new stream (loop thread); NULL: nothing to do. */
 	int (*stream_open)(struct backend *backend, struct estream *es, char *why, size_t why_len);
 	/* The latest seq whose job the device has finished on `es`. */

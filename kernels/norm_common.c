@@ -7,7 +7,8 @@
  * the double value (never through float first), so a double is rounded
  * exactly once. Infinities and subnormals are exact where representable;
  * values beyond the largest finite number become infinity; a NaN stays a NaN
- * with its sign and top payload bits, made quiet.
+ * with its sign and top payload bits, made quiet. Conversions to FP8 round
+ * to nearest even and saturate (norm_kernels.h, nk_store).
  */
 #include "norm_kernels.h"
 
@@ -110,6 +111,54 @@ static uint16_t round_to_short_float(double d, int ebits, int mbits)
 	return sign | (uint16_t)bits;
 }
 
+/*
+ * Rounds a double to an FP8 format of `ebits` exponent and `mbits` mantissa
+ * bits to nearest, ties to even, saturating at `max` (whose encoding is
+ * `max_bits`): what nk_store writes. NaN becomes 0x7f, a NaN in both
+ * formats (e4m3 has no other; e5m2's quiet NaN with every mantissa bit set).
+ */
+static uint8_t round_to_fp8(double d, int ebits, int mbits, double max, uint8_t max_bits)
+{
+	if (isnan(d))
+		return 0x7f;
+	uint8_t sign = signbit(d) ? 0x80 : 0;
+	double a = fabs(d);
+	if (a >= max)
+		return sign | max_bits;
+	if (a == 0)
+		return sign;
+	int bias = (1 << (ebits - 1)) - 1, e;
+	frexp(a, &e); /* a = m * 2^e with m in [0.5, 1): its leading bit is 2^(e - 1) */
+	/* The quantum at this magnitude is 2^(qexp - mbits); below the normal
+	 * range it stays at the subnormal quantum. */
+	int qexp = e - 1 < 1 - bias ? 1 - bias : e - 1;
+	/* Scaling by a power of two is exact; nearbyint rounds ties to even. */
+	double q = nearbyint(ldexp(a, mbits - qexp));
+	/* q counts quanta, the implicit bit included for normal numbers, so
+	 * adding it to the exponent field one below carries correctly (from
+	 * subnormal to normal, and into the next binade); a < max keeps the
+	 * result at most max. */
+	unsigned bits = ((unsigned)(qexp + bias - 1) << mbits) + (unsigned)q;
+	return sign | (uint8_t)bits;
+}
+
+/* An FP8 byte as a double (exact). */
+static double fp8_value(uint8_t b, int ebits, int mbits, bool has_inf)
+{
+	int bias = (1 << (ebits - 1)) - 1, emax = (1 << ebits) - 1;
+	int e = (b >> mbits) & emax, m = b & ((1 << mbits) - 1);
+	double v;
+	if (e == emax && has_inf)
+		v = m ? NAN : INFINITY;
+	else if (e == emax && m == (1 << mbits) - 1)
+		v = NAN; /* e4m3: the one NaN pattern (per sign) */
+	else if (e == 0)
+		v = ldexp(m, 1 - bias - mbits);
+	else
+		v = ldexp(m + (1 << mbits), e - bias - mbits);
+	return (b & 0x80) ? -v : v;
+}
+
 float nk_f16_to_f32(uint16_t h)
 {
 	uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -190,6 +239,63 @@ void nk_store(enum nk_dtype dtype, void *base, size_t i, double value)
 	}
 }
 
+double nk_round(enum nk_dtype dtype, double value)
+{
+	unsigned char buf[4];
+	nk_store(dtype, buf, 0, value);
+	return nk_load(dtype, buf, 0);
+}
+
+uint8_t nk_fp8_from_double(enum nk_fp8 format, double value)
+{
+	switch (format) {
+	case NK_FP8_E4M3:
+		return round_to_fp8(value, 4, 3, 448.0, 0x7e);
+	case NK_FP8_E5M2:
+		return round_to_fp8(value, 5, 2, 57344.0, 0x7b);
+	default:
+		return 0x7f;
+	}
+}
+
+double nk_fp8_to_double(enum nk_fp8 format, uint8_t bits)
+{
+	switch (format) {
+	case NK_FP8_E4M3:
+		return fp8_value(bits, 4, 3, false);
+	case NK_FP8_E5M2:
+		return fp8_value(bits, 5, 2, true);
+	default:
+		return NAN;
+	}
+}
+
+const char *nk_fp8_name(enum nk_fp8 format)
+{
+	switch (format) {
+	case NK_FP8_NONE:
+		return "none";
+	case NK_FP8_E4M3:
+		return "e4m3";
+	case NK_FP8_E5M2:
+		return "e5m2";
+	}
+	return "?";
+}
+
+unsigned nk_norm_features(const struct nk_norm_args *args)
+{
+	bool backward = args->op == NK_LAYERNORM_BWD || args->op == NK_RMSNORM_BWD;
+	unsigned f = 0;
+	if (backward ? args->ds != NULL : args->residual != NULL)
+		f |= NK_FEATURE_RESIDUAL;
+	if (args->weight_offset != 0.0f)
+		f |= NK_FEATURE_WEIGHT_OFFSET;
+	if (!backward && args->y_fp8 != NK_FP8_NONE)
+		f |= NK_FEATURE_FP8_OUTPUT;
+	return f;
+}
+
 /* ---- job validation ------------------------------------------------------ */
 
 static bool op_is_known(enum nk_op op)
@@ -197,6 +303,7 @@ static bool op_is_known(enum nk_op op)
 	return (int)op >= NK_LAYERNORM_FWD && (int)op <= NK_RMSNORM_BWD;
 }
 
+/* A dtype that x and the weights may have (FP8 is for y alone). */
 static bool dtype_is_known(enum nk_dtype dtype)
 {
 	return (int)dtype >= NK_F32 && (int)dtype <= NK_BF16;
@@ -231,6 +338,28 @@ static const char *check_scalars(const struct nk_norm_args *a)
 		return "memory_efficient applies to backward ops only";
 	if (!backward && (a->flags & NK_ACCUMULATE))
 		return "accumulate applies to backward ops only";
+	if ((int)a->y_fp8 < NK_FP8_NONE || (int)a->y_fp8 > NK_FP8_E5M2)
+		return "unknown y_fp8 format";
+	if (backward && a->y_fp8 != NK_FP8_NONE)
+		return "FP8 output (y_fp8) applies to forward ops only";
+	if (!isfinite(a->weight_offset))
+		return "weight_offset must be finite";
+	return NULL;
+}
+
+/* The forward's own tensors: y, the residual pair, FP8's scale and amax. */
+static const char *check_forward_variants(const struct nk_norm_args *a)
+{
+	if (!a->y)
+		return "y is absent";
+	if (a->residual && !a->residual_out)
+		return "residual is given but residual_out (where s = x + residual goes) is absent";
+	if (a->residual_out && !a->residual)
+		return "residual_out is given but residual is absent";
+	if (a->y_fp8 != NK_FP8_NONE && !a->scale)
+		return "FP8 output (y_fp8) needs scale";
+	if (a->y_fp8 == NK_FP8_NONE && (a->scale || a->amax))
+		return "scale and amax go with FP8 output (y_fp8) only";
 	return NULL;
 }
 
@@ -249,8 +378,10 @@ static const char *check_tensors(const struct nk_norm_args *a)
 		return "RMSNorm has no mean; pass mean = NULL";
 	if (a->beta && !a->gamma)
 		return "beta is given but gamma is absent";
+	if (a->weight_offset != 0.0f && !a->gamma)
+		return "weight_offset is set but gamma is absent";
 	if (!backward)
-		return a->y ? NULL : "y is absent";
+		return check_forward_variants(a);
 
 	if (!a->dy)
 		return "dy is absent";

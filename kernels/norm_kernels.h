@@ -14,6 +14,15 @@
  *   RMSNorm fwd:   y = x * rstd * gamma, rstd = 1/sqrt(mean(x^2) + eps).
  *   Backward:      dx, and dgamma / dbeta when those pointers are non-NULL.
  *                  dgamma/dbeta are overwritten unless NK_ACCUMULATE is set.
+ *   Variants (docs/VARIANTS.md; all off when their fields are zero):
+ *     residual add  forward: s = x + residual, rounded once to dtype and
+ *                   stored in residual_out; the norm normalizes that stored
+ *                   s. Backward (run on s): dx = dnorm(s) + ds, the gradient
+ *                   of both x and residual, ds optional.
+ *     weight offset the weight is weight_offset + gamma, in the compute type
+ *                   (1: zero-centered gamma; Gemma's offset).
+ *     FP8 output    forward: y = saturate(RNE(y * scale)) in e4m3 or e5m2,
+ *                   amax = max |y| before scaling (NaN skipped).
  *   NK_MEMORY_EFFICIENT backward reads y (passed in `x`) instead of x and
  *   recomputes x_hat = (y - beta) / clamp(gamma) (RMS: y / clamp(gamma);
  *   beta absent: 0; gamma absent: x_hat = y), where clamp() moves gamma
@@ -52,6 +61,29 @@ enum nk_dtype {
 	NK_BF16 = 2,
 };
 
+/*
+ * The FP8 format of a forward's y (nk_norm_args.y_fp8), one byte an
+ * element (OCP 8-bit floating point). Not an nk_dtype: FP8 is an output
+ * format only, never the dtype of x or of the weights.
+ */
+enum nk_fp8 {
+	NK_FP8_NONE = 0, /* y has dtype */
+	NK_FP8_E4M3 = 1, /* 1-4-3, bias 7, no infinities, max 448, NaN S.1111.111 */
+	NK_FP8_E5M2 = 2, /* 1-5-2, bias 15, IEEE-like, max finite 57344 */
+};
+
+/*
+ * The variants a job uses (nk_norm_features), so that a backend can say
+ * which it runs: a job using one it lacks is refused, never run as the
+ * plain norm.
+ */
+enum nk_features {
+	NK_FEATURE_RESIDUAL = 1u << 0,      /* forward residual; backward ds */
+	NK_FEATURE_WEIGHT_OFFSET = 1u << 1, /* weight_offset != 0 */
+	NK_FEATURE_FP8_OUTPUT = 1u << 2,    /* y_fp8 != NK_FP8_NONE */
+};
+#define NK_FEATURES_ALL (NK_FEATURE_RESIDUAL | NK_FEATURE_WEIGHT_OFFSET | NK_FEATURE_FP8_OUTPUT)
+
 enum nk_op {
 	NK_LAYERNORM_FWD = 0,
 	NK_LAYERNORM_BWD = 1,
@@ -66,15 +98,26 @@ enum nk_flags {
 
 /*
  * One normalization job.
- *   dtype        x, y, dy, dx
+ *   dtype        x, y (unless y_fp8), dy, dx, residual, residual_out, ds
  *   weight_dtype gamma, beta, dgamma, dbeta (equal to dtype, or NK_F32)
+ *   fp32         mean, rstd, scale, amax
  *
  * op       reads                                writes
- * LN fwd   x, gamma?, beta?                     y, mean?, rstd?
- * RMS fwd  x, gamma?                            y, rstd?
+ * LN fwd   x, residual?, gamma?, beta?, scale?  y, residual_out?, mean?, rstd?,
+ *                                               amax?
+ * RMS fwd  x, residual?, gamma?, scale?         y, residual_out?, rstd?, amax?
  * LN bwd   dy, x|y, mean (not if mem-eff),      dx, dgamma? (needs gamma),
- *          rstd, gamma?, beta?                  dbeta? (needs gamma)
- * RMS bwd  dy, x|y, rstd, gamma?                dx, dgamma? (needs gamma)
+ *          rstd, gamma?, beta?, ds?             dbeta? (needs gamma)
+ * RMS bwd  dy, x|y, rstd, gamma?, ds?           dx, dgamma? (needs gamma)
+ *
+ * With a residual, x|y of the backward is s (residual_out of the forward)
+ * or y. residual and residual_out come together; scale comes with y_fp8
+ * and amax only with it. weight_offset needs gamma; dgamma is still the sum
+ * of dy * x_hat (the offset is a constant). An output may alias an input
+ * only exactly (same address and size), and only a per-row one (y or
+ * residual_out over x or residual; dx over x|y, dy or ds): each row's
+ * inputs are read before that row's outputs are written. The daemon
+ * enforces it (docs/VARIANTS.md); this interface assumes it.
  *
  * "?" means optional: NULL skips it. dgamma = sum over rows of dy * x_hat,
  * dbeta = sum over rows of dy; both are accumulated in the compute type
@@ -104,6 +147,14 @@ struct nk_norm_args {
 	void *dx;          /* [rows, cols] */
 	void *dgamma;      /* [cols] */
 	void *dbeta;       /* [cols] */
+	/* The variants (issue 19); all zero (NULL) is the plain norm. */
+	const void *residual;  /* [rows, cols] of dtype: forward adds it to x */
+	void *residual_out;    /* [rows, cols] of dtype: s = x + residual, rounded once */
+	const void *ds;        /* [rows, cols] of dtype: backward adds it to dx */
+	float weight_offset;   /* the weight is weight_offset + gamma (finite) */
+	enum nk_fp8 y_fp8;     /* forward: y's FP8 format, or NK_FP8_NONE */
+	const float *scale;    /* [1]: y_fp8 stores saturate(RNE(y * scale)) */
+	float *amax;           /* [1]: max |y| before scaling, NaN skipped (y_fp8 only) */
 };
 
 /* What a job reports back besides its outputs. */
@@ -137,6 +188,25 @@ double nk_load(enum nk_dtype dtype, const void *base, size_t i);
 void nk_store(enum nk_dtype dtype, void *base, size_t i, double value);
 
 /*
+ * FP8 conversions. From a double: round to nearest even, then saturate: a
+ * magnitude above the largest finite value (448 in e4m3, 57344 in e5m2),
+ * infinities included, becomes that value with its sign; any NaN becomes
+ * 0x7f (a NaN in both formats); -0 stays -0 (0x80); subnormals are kept.
+ * To a double: exact (e5m2's infinities read as infinities, though the
+ * conversion above never makes them). `format` must be E4M3 or E5M2
+ * (else 0x7f / NaN). nk_fp8_name: "e4m3", "e5m2", "none", or "?".
+ */
+uint8_t nk_fp8_from_double(enum nk_fp8 format, double value);
+double nk_fp8_to_double(enum nk_fp8 format, uint8_t bits);
+const char *nk_fp8_name(enum nk_fp8 format);
+
+/* `value` rounded to `dtype` as nk_store stores it, as a double (exact). */
+double nk_round(enum nk_dtype dtype, double value);
+
+/* Which variants (enum nk_features) a job uses; 0 for the plain norm. */
+unsigned nk_norm_features(const struct nk_norm_args *args);
+
+/*
  * Checks the combination of op, flags, dtypes and which tensors are present
  * (not their sizes: the caller bounds-checks memory). Returns NK_OK or
  * NK_EINVAL and, if `why` is non-NULL, a static one-line reason (NULL on
@@ -151,7 +221,13 @@ void nk_store(enum nk_dtype dtype, void *base, size_t i, double value);
  *   - x absent; forward without y; backward without dy, dx or rstd;
  *     LayerNorm backward without mean unless memory-efficient;
  *   - beta without gamma; dgamma or dbeta without gamma;
- *   - RMSNorm with beta, mean or dbeta (it has none of them).
+ *   - RMSNorm with beta, mean or dbeta (it has none of them);
+ *   - y_fp8 outside enum nk_fp8, or on a backward op; y_fp8 without scale;
+ *     scale or amax without y_fp8; residual without residual_out or the
+ *     reverse (forward); weight_offset not finite, or non-zero without
+ *     gamma.
+ * Tensors of the other direction are ignored (ds of a forward; residual,
+ * residual_out, scale, amax of a backward).
  */
 int nk_norm_check(const struct nk_norm_args *args, const char **why);
 
@@ -174,7 +250,8 @@ struct nk_cpu_opts {
  * (threads - 1 of them, at most one per block) are started by the call
  * only for jobs of more than 256K elements. opts NULL: NK_CPU_FP32 on the
  * calling thread. result (may be NULL) gets the clamped count of a
- * memory-efficient backward, else 0. Returns NK_OK, NK_EINVAL (see
+ * memory-efficient backward, else 0. Every variant runs (NK_FEATURES_ALL).
+ * Returns NK_OK, NK_EINVAL (see
  * nk_norm_check; also an unknown precision), NK_ENOMEM (scratch of about
  * (4 * threads + 3 + 2 * blocks) * cols compute-type elements could not be
  * allocated). Thread-safe: concurrent calls on disjoint outputs are fine.

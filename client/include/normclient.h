@@ -177,6 +177,8 @@ enum nc_dtype {
 	NC_F32 = 1,
 	NC_F16 = 2,
 	NC_BF16 = 3,
+	NC_F8E4M3 = 4, /* FP8 (OCP) for nc_job_ext.y_dtype only: max 448, no infinities */
+	NC_F8E5M2 = 5, /* FP8 (OCP) for nc_job_ext.y_dtype only: max finite 57344 */
 };
 
 enum nc_job_flags {
@@ -205,7 +207,9 @@ struct nc_tensor {
  *                     [out, in] of `weight_dtype` (0 here means NC_F32).
  * x, y, dy, dx are [rows, cols] of `dtype`; gamma, beta, dgamma, dbeta are
  * [cols] of `weight_dtype` (0: same as dtype; else NC_F32); mean and rstd
- * are [rows] of fp32. eps 0 means the default 1e-5.
+ * are [rows] of fp32. eps 0 means the default 1e-5. The norm variants
+ * (residual add, weight offset, FP8 output) and the in-place forms are
+ * struct nc_job_ext, below.
  */
 struct nc_job {
 	enum nc_op op;
@@ -220,6 +224,59 @@ struct nc_job {
 	uint64_t out_features;      /* NC_WGRAD_ACCUM only */
 	struct nc_tensor main_grad; /* NC_WGRAD_ACCUM only */
 };
+
+/*
+ * The norm variants of a job (protocol 3; docs/VARIANTS.md), given beside
+ * struct nc_job to the *_ext calls below (struct nc_job keeps its layout,
+ * so programs and bindings built against older headers keep working). A
+ * zeroed struct is the plain norm. For NC_LAYERNORM_* and NC_RMSNORM_*:
+ *
+ *   residual add   forward: residual and residual_out together, [rows,
+ *                  cols] of dtype. s = x + residual, rounded once to dtype,
+ *                  is written to residual_out and normalized: y = norm(s).
+ *                  Backward: pass s (residual_out) as x, and ds (optional,
+ *                  [rows, cols] of dtype), the gradient arriving at s; dx =
+ *                  dnorm(s) + ds is the gradient of both x and residual.
+ *   weight_offset  the weight is weight_offset + gamma, formed in fp32
+ *                  (never rounded to weight_dtype): 1.0f is Megatron's
+ *                  apply_layernorm_1p / TransformerEngine's
+ *                  zero_centered_gamma and Gemma's (1 + w). Needs gamma;
+ *                  dgamma is unchanged (the offset is a constant).
+ *   FP8 output     forward: y_dtype NC_F8E4M3 or NC_F8E5M2 (0: dtype), with
+ *                  scale ([1] fp32, read by the daemon): y is stored as
+ *                  saturate(round_to_nearest_even(y * scale)) (e4m3 +-448,
+ *                  e5m2 +-57344, infinities saturate, NaN stays NaN); amax
+ *                  (optional, [1] fp32) gets max |y| before scaling, NaN
+ *                  elements skipped.
+ *
+ * In-place forms: an output may be exactly the same bytes (region, offset
+ * and size) as an input when both are per-row tensors: y or residual_out
+ * over x or residual (vLLM's fused_add_rms_norm: y over x, s over
+ * residual), dx over x, dy or ds. Any other overlap of an output with a
+ * tensor is refused with NC_EINVALID_ARGUMENT. `reserved` must be zero.
+ */
+struct nc_job_ext {
+	struct nc_tensor residual, residual_out; /* forward residual add */
+	struct nc_tensor ds;                     /* backward: gradient at s */
+	struct nc_tensor scale, amax;            /* FP8 output */
+	float weight_offset;                     /* 0: none; 1: zero-centered gamma */
+	enum nc_dtype y_dtype;                   /* forward: 0 (dtype) or NC_F8E4M3/E5M2 */
+	uint64_t reserved[4];                    /* zero: room for later fields */
+};
+
+/* The variants a backend runs, as nc_server_norm_features() reports them. */
+enum nc_norm_features {
+	NC_FEATURE_RESIDUAL = 1u << 0,      /* residual, residual_out, ds */
+	NC_FEATURE_WEIGHT_OFFSET = 1u << 1, /* weight_offset */
+	NC_FEATURE_FP8_OUTPUT = 1u << 2,    /* y_dtype NC_F8E4M3 / NC_F8E5M2 */
+};
+
+/*
+ * The variants (enum nc_norm_features) the daemon's backend runs; a job
+ * using another is refused with NC_EUNSUPPORTED. 0 from a daemon older than
+ * protocol 3. Any thread.
+ */
+NC_API uint32_t nc_server_norm_features(const nc_conn *conn);
 
 /* A tensor at host pointer `ptr` inside `region`'s local mapping. */
 NC_API struct nc_tensor nc_tensor_at(const nc_region *region, const void *ptr);
@@ -268,6 +325,16 @@ NC_API int nc_job_run(nc_conn *conn, const struct nc_job *job, int timeout_ms,
 		      struct nc_job_result *result);
 
 /*
+ * The calls above and below with a job's variants (struct nc_job_ext; NULL
+ * is the plain job): the same behaviour, errors and threads. A non-zero
+ * `reserved` is NC_EINVALID_ARGUMENT here; the daemon checks the rest.
+ */
+NC_API int nc_job_submit_ext(nc_conn *conn, const struct nc_job *job,
+			     const struct nc_job_ext *ext, uint64_t *request_id);
+NC_API int nc_job_run_ext(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
+			  int timeout_ms, struct nc_job_result *result);
+
+/*
  * Synchronous completion mode for device memory: orders the job after the
  * work already queued on `stream` (a cudaStream_t; NULL is the legacy default
  * stream) by synchronizing it, runs the job, and returns when the daemon
@@ -275,6 +342,9 @@ NC_API int nc_job_run(nc_conn *conn, const struct nc_job *job, int timeout_ms,
  */
 NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *stream,
 				int timeout_ms, struct nc_job_result *result);
+NC_API int nc_job_run_on_stream_ext(nc_conn *conn, const struct nc_job *job,
+				    const struct nc_job_ext *ext, void *stream, int timeout_ms,
+				    struct nc_job_result *result);
 
 /*
  * The IPC-event completion mode (CUDA backend): records an interprocess
@@ -289,6 +359,9 @@ NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *s
  */
 NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *stream,
 			    int timeout_ms, struct nc_job_result *result);
+NC_API int nc_job_run_event_ext(nc_conn *conn, const struct nc_job *job,
+				const struct nc_job_ext *ext, void *stream, int timeout_ms,
+				struct nc_job_result *result);
 
 /* ---- the enqueue mode -------------------------------------------------------- */
 
@@ -325,6 +398,13 @@ NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *strea
  * regardless).
  */
 NC_API int nc_job_enqueue(nc_conn *conn, const struct nc_job *job, void *stream);
+/*
+ * nc_job_enqueue with the job's variants: checked here as well (their
+ * tensors, the FP8 and residual rules, aliasing between tensors of one
+ * region, and whether the daemon runs the variants: NC_EUNSUPPORTED).
+ */
+NC_API int nc_job_enqueue_ext(nc_conn *conn, const struct nc_job *job,
+			      const struct nc_job_ext *ext, void *stream);
 
 /*
  * Waits at most `timeout_ms` (< 0: no limit) until the daemon has answered

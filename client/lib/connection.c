@@ -538,6 +538,7 @@ static void keep_server_info(nc_conn *conn, const Normd__HelloReply *hello)
 		    hello->backend == NORMD__BACKEND_KIND__BACKEND_CUDA ? "cuda" : "cpu");
 	info->server_pid = hello->server_pid;
 	info->mps = hello->mps;
+	conn->norm_features = hello->has_norm_features ? hello->norm_features : 0;
 	info->device_count = (uint32_t)hello->n_devices;
 	for (size_t i = 0; i < hello->n_devices && i < 16; i++)
 		info->device_index[i] = hello->devices[i]->index;

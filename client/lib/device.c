@@ -168,6 +168,13 @@ NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *ou
 NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *stream,
 				int timeout_ms, struct nc_job_result *result)
 {
+	return nc_job_run_on_stream_ext(conn, job, NULL, stream, timeout_ms, result);
+}
+
+NC_API int nc_job_run_on_stream_ext(nc_conn *conn, const struct nc_job *job,
+				    const struct nc_job_ext *ext, void *stream, int timeout_ms,
+				    struct nc_job_result *result)
+{
 	/* The daemon's stream cannot wait on ours: finish our queued work first. */
 	cudaError_t err = cudaStreamSynchronize((cudaStream_t)stream);
 	if (err != cudaSuccess) {
@@ -180,7 +187,7 @@ NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *s
 		}
 		return rc;
 	}
-	return nc_job_run(conn, job, timeout_ms, result);
+	return nc_job_run_ext(conn, job, ext, timeout_ms, result);
 }
 
 /* ---- the IPC-event completion mode -------------------------------------------------------- */
@@ -275,6 +282,13 @@ static int event_result_fail(struct nc_job_result *result, int rc)
 NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *stream,
 			    int timeout_ms, struct nc_job_result *result)
 {
+	return nc_job_run_event_ext(conn, job, NULL, stream, timeout_ms, result);
+}
+
+NC_API int nc_job_run_event_ext(nc_conn *conn, const struct nc_job *job,
+				const struct nc_job_ext *ext, void *stream, int timeout_ms,
+				struct nc_job_result *result)
+{
 	struct nc_job_result local;
 	if (!result)
 		result = &local;
@@ -308,8 +322,8 @@ NC_API int nc_job_run_event(nc_conn *conn, const struct nc_job *job, void *strea
 		rc = nc__fail(NC_EINVALID_ARGUMENT, "cudaEventRecord on the caller's stream failed");
 	}
 	if (rc == 0)
-		rc = nc__job_submit_event(conn, job, idle == cudaSuccess ? NULL : ev->wait_handle[slot],
-					  true, &id);
+		rc = nc__job_submit_event(conn, job, ext,
+					  idle == cudaSuccess ? NULL : ev->wait_handle[slot], true, &id);
 	if (rc == 0)
 		rc = nc__job_wait_event(conn, id, timeout_ms, result, done);
 	else

@@ -99,12 +99,28 @@ static size_t dtype_size(enum nc_dtype dtype)
 	return dtype == NC_F32 ? 4 : 2;
 }
 
+static bool dtype_is_fp8(enum nc_dtype dtype)
+{
+	return dtype == NC_F8E4M3 || dtype == NC_F8E5M2;
+}
+
+/* Whether the job's ext asks for FP8 output. */
+static bool y_is_fp8(const struct nc_job_ext *ext)
+{
+	return ext && dtype_is_fp8(ext->y_dtype);
+}
+
 /* Elements and element size of a role (WGRAD_ACCUM is refused before this). */
-static void role_shape(const struct nc_job *job, enum nc__job_role role, uint64_t *elems,
-		       size_t *size)
+static void role_shape(const struct nc_job *job, const struct nc_job_ext *ext,
+		       enum nc__job_role role, uint64_t *elems, size_t *size)
 {
 	enum nc_dtype weights = job->weight_dtype ? job->weight_dtype : job->dtype;
 	switch (role) {
+	case NC__ROLE_SCALE:
+	case NC__ROLE_AMAX:
+		*elems = 1;
+		*size = 4;
+		return;
 	case NC__ROLE_MEAN:
 	case NC__ROLE_RSTD:
 		*elems = job->rows;
@@ -119,7 +135,7 @@ static void role_shape(const struct nc_job *job, enum nc__job_role role, uint64_
 		return;
 	default:
 		*elems = job->rows * job->cols;
-		*size = dtype_size(job->dtype);
+		*size = role == NC__ROLE_Y && y_is_fp8(ext) ? 1 : dtype_size(job->dtype);
 	}
 }
 
@@ -133,13 +149,54 @@ static const nc_region *region_of(nc_conn *conn, uint64_t id)
 	return NULL;
 }
 
-static int check_tensors(nc_conn *conn, const struct nc_job *job, int *device)
+/* One tensor's region, bounds, alignment and device; its span for the alias check. */
+static int check_tensor(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
+			enum nc__job_role role, struct nc_tensor t, int *device,
+			struct nc__span *span)
 {
+	const char *name = nc__job_role_name(role);
+	const nc_region *r = region_of(conn, t.region);
+	uint64_t elems, bytes, end;
+	size_t size;
+	role_shape(job, ext, role, &elems, &size);
+	if (!r)
+		return nc__fail(NC_ENOT_FOUND, "tensor %s: region %llu is not registered", name,
+				(unsigned long long)t.region);
+	if (__builtin_mul_overflow(elems, (uint64_t)size, &bytes) ||
+	    __builtin_add_overflow(t.offset, bytes, &end) || end > r->size)
+		return nc__fail(NC_EOUT_OF_RANGE,
+				"tensor %s: offset %llu + %llu elements runs past region %llu "
+				"(%zu bytes)",
+				name, (unsigned long long)t.offset, (unsigned long long)elems,
+				(unsigned long long)r->id, r->size);
+	if (t.offset % size)
+		return nc__fail(NC_EINVALID_ARGUMENT,
+				"tensor %s: offset %llu is not a multiple of its element size", name,
+				(unsigned long long)t.offset);
+	if (*device != -2 && r->device != *device)
+		return nc__fail(NC_EINVALID_ARGUMENT, "tensors live on different devices");
+	*device = r->device;
+	/* Where this process sees the bytes: the daemon also compares memfds by inode. */
+	span->present = true;
+	span->memory[0] = span->memory[1] = 0;
+	span->start = (uint64_t)(uintptr_t)r->data + t.offset;
+	span->bytes = bytes;
+	return 0;
+}
+
+static int check_tensors(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
+			 int *device)
+{
+	static const struct nc_job_ext none;
+	if (!ext)
+		ext = &none;
 	/* In the order of the role table. */
 	const struct nc_tensor t[NC__ROLE_COUNT] = {
-		job->x,  job->y,  job->mean,   job->rstd,  job->gamma,     job->beta,
-		job->dy, job->dx, job->dgamma, job->dbeta, job->main_grad,
+		job->x,	       job->y,		  job->mean, job->rstd,	 job->gamma, job->beta,
+		job->dy,       job->dx,		  job->dgamma, job->dbeta, job->main_grad,
+		ext->residual, ext->residual_out, ext->ds,   ext->scale, ext->amax,
 	};
+	struct nc__span spans[NC__ROLE_COUNT] = {{0}};
 	int rc = 0;
 	*device = -2;
 	pthread_mutex_lock(&conn->lock);
@@ -161,36 +218,53 @@ static int check_tensors(nc_conn *conn, const struct nc_job *job, int *device)
 									 : "");
 			break;
 		}
-		const nc_region *r = region_of(conn, t[role].region);
-		uint64_t elems, bytes, end;
-		size_t size;
-		role_shape(job, role, &elems, &size);
-		if (!r) {
-			rc = nc__fail(NC_ENOT_FOUND, "tensor %s: region %llu is not registered",
-				      name, (unsigned long long)t[role].region);
-		} else if (__builtin_mul_overflow(elems, (uint64_t)size, &bytes) ||
-			   __builtin_add_overflow(t[role].offset, bytes, &end) || end > r->size) {
-			rc = nc__fail(NC_EOUT_OF_RANGE,
-				      "tensor %s: offset %llu + %llu elements runs past region %llu "
-				      "(%zu bytes)",
-				      name, (unsigned long long)t[role].offset,
-				      (unsigned long long)elems, (unsigned long long)r->id, r->size);
-		} else if (t[role].offset % size) {
-			rc = nc__fail(NC_EINVALID_ARGUMENT,
-				      "tensor %s: offset %llu is not a multiple of its element size",
-				      name, (unsigned long long)t[role].offset);
-		} else if (*device != -2 && r->device != *device) {
-			rc = nc__fail(NC_EINVALID_ARGUMENT, "tensors live on different devices");
-		} else {
-			*device = r->device;
-		}
+		rc = check_tensor(conn, job, ext, role, t[role], device, &spans[role]);
 	}
 	pthread_mutex_unlock(&conn->lock);
+	enum nc__job_role a, b;
+	enum nc__alias verdict = rc ? NC__ALIAS_OK : nc__job_alias_check(job->op, spans, &a, &b);
+	if (verdict != NC__ALIAS_OK)
+		rc = nc__fail(NC_EINVALID_ARGUMENT, "tensor %s overlaps %s: %s",
+			      nc__job_role_name(a), nc__job_role_name(b), nc__alias_why(verdict));
 	return rc;
 }
 
+/* The variants' own rules (the daemon's and nk_norm_check's), and whether the daemon runs them. */
+static int check_ext(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext)
+{
+	int rc = nc__job_ext_check(ext);
+	if (rc || !ext)
+		return rc;
+	bool bwd = op_is_backward(job->op), fp8 = y_is_fp8(ext);
+	if (ext->y_dtype && ext->y_dtype != job->dtype && !fp8)
+		return nc__fail(NC_EINVALID_ARGUMENT, "y_dtype %d must be 0, dtype or FP8",
+				(int)ext->y_dtype);
+	if (fp8 && bwd)
+		return nc__fail(NC_EINVALID_ARGUMENT, "FP8 output (y_dtype) applies to forward ops");
+	if (fp8 != (ext->scale.region != 0) || (ext->amax.region && !fp8))
+		return nc__fail(NC_EINVALID_ARGUMENT,
+				"FP8 output (y_dtype) needs scale; scale and amax go with it only");
+	if (!bwd && (ext->residual.region != 0) != (ext->residual_out.region != 0))
+		return nc__fail(NC_EINVALID_ARGUMENT, "residual and residual_out go together");
+	if (!isfinite(ext->weight_offset) || (ext->weight_offset != 0.0f && !job->gamma.region))
+		return nc__fail(NC_EINVALID_ARGUMENT,
+				"weight_offset must be finite, and needs gamma (got %g)",
+				(double)ext->weight_offset);
+	uint32_t used = (ext->weight_offset != 0.0f ? NC_FEATURE_WEIGHT_OFFSET : 0u) |
+			(fp8 ? NC_FEATURE_FP8_OUTPUT : 0u) |
+			((bwd ? ext->ds.region : ext->residual.region) ? NC_FEATURE_RESIDUAL : 0u);
+	uint32_t missing = used & ~conn->norm_features;
+	if (missing)
+		return nc__fail(NC_EUNSUPPORTED,
+				"the daemon's %s backend does not run these variants (features 0x%x "
+				"missing; nc_server_norm_features)",
+				conn->info.backend, missing);
+	return 0;
+}
+
 /* What the daemon would refuse, refused here so that the error is synchronous. */
-static int check_job(nc_conn *conn, const struct nc_job *job, int *device)
+static int check_job(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
+		     int *device)
 {
 	uint64_t elems;
 	if (job->op < NC_LAYERNORM_FWD || job->op > NC_RMSNORM_BWD)
@@ -200,7 +274,9 @@ static int check_job(nc_conn *conn, const struct nc_job *job, int *device)
 		return nc__fail(NC_EINVALID_ARGUMENT, "dtype %d is not F32, F16 or BF16",
 				(int)job->dtype);
 	if (job->weight_dtype && job->weight_dtype != job->dtype && job->weight_dtype != NC_F32)
-		return nc__fail(NC_EUNSUPPORTED, "weight_dtype must match dtype or be F32");
+		return nc__fail(dtype_is_fp8(job->weight_dtype) ? NC_EINVALID_ARGUMENT
+								: NC_EUNSUPPORTED,
+				"weight_dtype must match dtype or be F32");
 	if (job->rows == 0 || job->cols == 0)
 		return nc__fail(NC_EINVALID_ARGUMENT, "rows and cols must be at least 1");
 	if (job->rows > INT64_MAX || __builtin_mul_overflow(job->rows, job->cols, &elems) ||
@@ -217,7 +293,8 @@ static int check_job(nc_conn *conn, const struct nc_job *job, int *device)
 		return nc__fail(NC_EINVALID_ARGUMENT,
 				"flags 0x%x: memory_efficient and accumulate apply to backward ops",
 				job->flags);
-	return check_tensors(conn, job, device);
+	int rc = check_ext(conn, job, ext);
+	return rc ? rc : check_tensors(conn, job, ext, device);
 }
 
 /* ---- semaphore blocks --------------------------------------------------------------- */
@@ -495,7 +572,8 @@ static int signal_wait_with_context(struct nc__block *b, void *stream, void *rea
 
 /* Queues the stream side of one job and sends it; the enqueue lock is held. */
 static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block *b,
-			  struct nc__slot *slot, const struct nc_job *job, void *stream)
+			  struct nc__slot *slot, const struct nc_job *job,
+			  const struct nc_job_ext *ext, void *stream)
 {
 	uint32_t seq = slot->seq + 1;
 	size_t offset = slot_offset(b, slot);
@@ -515,8 +593,8 @@ static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block
 	bool released = e->released;
 	pthread_mutex_unlock(&e->seq_lock);
 	Normd__Job msg;
-	Normd__Tensor ts[11];
-	nc__job_to_msg(job, &msg, ts);
+	Normd__Tensor ts[NC__JOB_TENSORS];
+	nc__job_to_msg(job, ext, &msg, ts);
 	Normd__Enqueue enq = NORMD__ENQUEUE__INIT;
 	enq.sem_region = nc_region_id(b->ready_region);
 	enq.sem_offset = offset;
@@ -552,13 +630,19 @@ static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block
 
 NC_API int nc_job_enqueue(nc_conn *conn, const struct nc_job *job, void *stream)
 {
+	return nc_job_enqueue_ext(conn, job, NULL, stream);
+}
+
+NC_API int nc_job_enqueue_ext(nc_conn *conn, const struct nc_job *job,
+			      const struct nc_job_ext *ext, void *stream)
+{
 	if (!conn || !job)
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn and job must not be NULL");
 	nc__poll_replies(conn);
 	int rc = pending_error(conn);
 	int device = -1;
 	if (rc == 0)
-		rc = check_job(conn, job, &device);
+		rc = check_job(conn, job, ext, &device);
 	struct nc__enqueue *e = rc ? NULL : enqueue_of(conn);
 	if (rc == 0 && !e)
 		rc = nc__fail(NC_ENOMEM, "out of memory for the enqueue mode");
@@ -578,7 +662,7 @@ NC_API int nc_job_enqueue(nc_conn *conn, const struct nc_job *job, void *stream)
 			      "more than %d streams enqueue on device %d of this connection",
 			      NC__SLOTS, device);
 	if (rc == 0)
-		rc = enqueue_locked(conn, e, b, slot, job, stream);
+		rc = enqueue_locked(conn, e, b, slot, job, ext, stream);
 	if (rc == 0)
 		watcher_start(conn, e);
 	pthread_mutex_unlock(&e->lock);

@@ -64,6 +64,7 @@ struct nc_conn {
 	unsigned spin_misses;        /* waits in a row that spinning did not shorten */
 	unsigned spin_skips;         /* waits that did not spin since the last that did */
 	struct nc_server_info info;
+	uint32_t norm_features;      /* HelloReply.norm_features (enum nc_norm_features) */
 	struct nc_region *regions;  /* every region registered and not yet freed */
 	struct nc__events *events;  /* IPC events of the event mode, made on first use */
 	struct nc__enqueue *enqueue; /* semaphore slots of the enqueue mode, made on first use */
@@ -108,8 +109,8 @@ static inline void nc__copy_string(char *dst, size_t len, const char *src)
  * nc_job_submit with the IPC-event mode's wait_event (64 bytes; NULL: none)
  * and early_reply (answer once queued, naming a done event).
  */
-int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const uint8_t *wait_event,
-			 bool early_reply, uint64_t *request_id);
+int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
+			 const uint8_t *wait_event, bool early_reply, uint64_t *request_id);
 /* nc_job_wait that also copies the reply's done_event (all zero if none). */
 int nc__job_wait_event(nc_conn *conn, uint64_t request_id, int timeout_ms,
 		       struct nc_job_result *result, uint8_t *done_event);
@@ -123,8 +124,16 @@ void nc__regions_release_all(nc_conn *conn);
 /* Destroys the connection's IPC events (at nc_close). */
 void nc__events_release(nc_conn *conn);
 
-/* Fills a Job message from `job` (tensors live in `ts`, 11 of them, on the caller's stack). */
-void nc__job_to_msg(const struct nc_job *job, Normd__Job *msg, Normd__Tensor *ts);
+/* Tensor messages a Job can carry: one per role of proto/job_roles.h. */
+#define NC__JOB_TENSORS 16
+/*
+ * Fills a Job message from `job` and `ext` (NULL: none; tensors live in
+ * `ts`, NC__JOB_TENSORS of them, on the caller's stack).
+ */
+void nc__job_to_msg(const struct nc_job *job, const struct nc_job_ext *ext, Normd__Job *msg,
+		    Normd__Tensor *ts);
+/* NC_EINVALID_ARGUMENT (message recorded) when ext's reserved words are not zero. */
+int nc__job_ext_check(const struct nc_job_ext *ext);
 
 /* The enqueue mode (enqueue.c). With conn->lock held: an enqueued job's reply arrived. */
 void nc__enqueue_answered(nc_conn *conn, const Normd__Envelope *env);

@@ -20,7 +20,36 @@ static Normd__Tensor *tensor_msg(Normd__Tensor *slot, struct nc_tensor t)
 	return slot;
 }
 
-void nc__job_to_msg(const struct nc_job *job, Normd__Job *msg, Normd__Tensor *ts)
+/* The protocol-3 fields, sent only when used. */
+static void job_ext_to_msg(const struct nc_job_ext *ext, Normd__Job *msg, Normd__Tensor *ts)
+{
+	msg->residual = tensor_msg(&ts[11], ext->residual);
+	msg->residual_out = tensor_msg(&ts[12], ext->residual_out);
+	msg->ds = tensor_msg(&ts[13], ext->ds);
+	msg->scale = tensor_msg(&ts[14], ext->scale);
+	msg->amax = tensor_msg(&ts[15], ext->amax);
+	if (ext->weight_offset != 0.0f) {
+		msg->has_weight_offset = true;
+		msg->weight_offset = ext->weight_offset;
+	}
+	if (ext->y_dtype) {
+		msg->has_y_dtype = true;
+		msg->y_dtype = (Normd__DType)ext->y_dtype;
+	}
+}
+
+int nc__job_ext_check(const struct nc_job_ext *ext)
+{
+	for (size_t i = 0; ext && i < sizeof(ext->reserved) / sizeof(ext->reserved[0]); i++) {
+		if (ext->reserved[i])
+			return nc__fail(NC_EINVALID_ARGUMENT,
+					"struct nc_job_ext: reserved[%zu] must be zero", i);
+	}
+	return 0;
+}
+
+void nc__job_to_msg(const struct nc_job *job, const struct nc_job_ext *ext, Normd__Job *msg,
+		    Normd__Tensor *ts)
 {
 	normd__job__init(msg);
 	msg->op = (Normd__Op)job->op;
@@ -56,16 +85,21 @@ void nc__job_to_msg(const struct nc_job *job, Normd__Job *msg, Normd__Tensor *ts
 		msg->gemm_beta = (job->flags & NC_OVERWRITE) ? 0 : 1;
 		msg->main_grad = tensor_msg(&ts[10], job->main_grad);
 	}
+	if (ext)
+		job_ext_to_msg(ext, msg, ts);
 }
 
-int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const uint8_t *wait_event,
-			 bool early_reply, uint64_t *request_id)
+int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
+			 const uint8_t *wait_event, bool early_reply, uint64_t *request_id)
 {
 	if (!conn || !job || !request_id)
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn, job and request_id must not be NULL");
+	int rc = nc__job_ext_check(ext);
+	if (rc)
+		return rc;
 	Normd__Job msg;
-	Normd__Tensor ts[11];
-	nc__job_to_msg(job, &msg, ts);
+	Normd__Tensor ts[NC__JOB_TENSORS];
+	nc__job_to_msg(job, ext, &msg, ts);
 	if (wait_event) {
 		msg.has_wait_event = true;
 		msg.wait_event.data = (uint8_t *)wait_event;
@@ -80,7 +114,18 @@ int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const uint8_t 
 
 NC_API int nc_job_submit(nc_conn *conn, const struct nc_job *job, uint64_t *request_id)
 {
-	return nc__job_submit_event(conn, job, NULL, false, request_id);
+	return nc__job_submit_event(conn, job, NULL, NULL, false, request_id);
+}
+
+NC_API int nc_job_submit_ext(nc_conn *conn, const struct nc_job *job,
+			     const struct nc_job_ext *ext, uint64_t *request_id)
+{
+	return nc__job_submit_event(conn, job, ext, NULL, false, request_id);
+}
+
+NC_API uint32_t nc_server_norm_features(const nc_conn *conn)
+{
+	return conn ? conn->norm_features : 0;
 }
 
 static int result_fail(struct nc_job_result *result, int status)
@@ -146,8 +191,14 @@ int nc__job_wait_event(nc_conn *conn, uint64_t request_id, int timeout_ms,
 NC_API int nc_job_run(nc_conn *conn, const struct nc_job *job, int timeout_ms,
 		      struct nc_job_result *result)
 {
+	return nc_job_run_ext(conn, job, NULL, timeout_ms, result);
+}
+
+NC_API int nc_job_run_ext(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
+			  int timeout_ms, struct nc_job_result *result)
+{
 	uint64_t id;
-	int rc = nc_job_submit(conn, job, &id);
+	int rc = nc_job_submit_ext(conn, job, ext, &id);
 	if (rc) {
 		struct nc_job_result ignored;
 		return result_fail(result ? result : &ignored, rc);

@@ -14,11 +14,11 @@
 #include "kernels/norm_kernels.h"
 #include "kernels/wgrad.h"
 
-#define JK_ROLES 11
 #define JK_ALIGN 64
 
 static const char *const role_names[JK_ROLES] = {
-	"x", "y", "mean", "rstd", "gamma", "beta", "dy", "dx", "dgamma", "dbeta", "main_grad",
+	"x",	     "y",     "mean",	      "rstd", "gamma", "beta",	"dy",	"dx",
+	"dgamma",    "dbeta", "main_grad",    "residual", "residual_out", "ds", "scale", "amax",
 };
 
 const char *jobkit_role_name(int role)
@@ -82,6 +82,39 @@ static bool op_is_layernorm(enum nc_op op)
 	return op == NC_LAYERNORM_FWD || op == NC_LAYERNORM_BWD;
 }
 
+enum nk_fp8 jobkit_y_fp8(const struct jobkit_spec *s)
+{
+	if (op_is_backward(s->op) || op_is_wgrad(s->op))
+		return NK_FP8_NONE;
+	return s->y_dtype == NC_F8E4M3 ? NK_FP8_E4M3
+	       : s->y_dtype == NC_F8E5M2 ? NK_FP8_E5M2
+					  : NK_FP8_NONE;
+}
+
+uint32_t jobkit_features(const struct jobkit_spec *s)
+{
+	if (op_is_wgrad(s->op))
+		return 0;
+	return (s->residual ? NC_FEATURE_RESIDUAL : 0u) |
+	       (s->weight_offset != 0.0f && s->gamma ? NC_FEATURE_WEIGHT_OFFSET : 0u) |
+	       (jobkit_y_fp8(s) != NK_FP8_NONE ? NC_FEATURE_FP8_OUTPUT : 0u);
+}
+
+const char *jobkit_variant_label(const struct jobkit_spec *s, char *buf, size_t len)
+{
+	enum nk_fp8 fp8 = jobkit_y_fp8(s);
+	char offset[32] = "";
+	if (s->weight_offset == 1.0f)
+		snprintf(offset, sizeof(offset), "+%s",
+			 op_is_layernorm(s->op) ? "zero_centered" : "offset");
+	else if (s->weight_offset != 0.0f)
+		snprintf(offset, sizeof(offset), "+offset%g", (double)s->weight_offset);
+	snprintf(buf, len, "%s%s%s%s%s", s->residual ? "+add" : "", offset,
+		 fp8 == NK_FP8_NONE ? "" : "+fp8_", fp8 == NK_FP8_NONE ? "" : nk_fp8_name(fp8),
+		 s->in_place ? "+inplace" : "");
+	return buf;
+}
+
 /* Which roles the spec's job uses. */
 static void jobkit_roles(const struct jobkit_spec *s, bool used[JK_ROLES])
 {
@@ -99,6 +132,9 @@ static void jobkit_roles(const struct jobkit_spec *s, bool used[JK_ROLES])
 	used[JK_DY] = used[JK_DX] = bwd;
 	used[JK_DGAMMA] = bwd && s->gamma;
 	used[JK_DBETA] = bwd && ln && s->gamma && s->beta;
+	used[JK_RESIDUAL] = used[JK_RESIDUAL_OUT] = !bwd && s->residual;
+	used[JK_DS] = bwd && s->residual;
+	used[JK_SCALE] = used[JK_AMAX] = jobkit_y_fp8(s) != NK_FP8_NONE;
 }
 
 /* main_grad's dtype, or gamma's: weight_dtype, defaulting to f32 for the GEMM. */
@@ -118,6 +154,11 @@ static size_t role_bytes(const struct jobkit_spec *s, int role)
 		       : role == JK_DY ? s->rows * s->out_features * esize
 				       : s->out_features * s->cols * wsize;
 	switch (role) {
+	case JK_SCALE:
+	case JK_AMAX:
+		return sizeof(float);
+	case JK_Y:
+		return s->rows * s->cols * (jobkit_y_fp8(s) != NK_FP8_NONE ? 1 : esize);
 	case JK_MEAN:
 	case JK_RSTD:
 		return s->rows * sizeof(float);
@@ -134,7 +175,7 @@ static size_t role_bytes(const struct jobkit_spec *s, int role)
 enum nk_dtype jobkit_role_dtype(const struct jobkit_spec *s, int role)
 {
 	enum nc_dtype w = weight_dtype_of(s);
-	if (role == JK_MEAN || role == JK_RSTD)
+	if (role == JK_MEAN || role == JK_RSTD || role == JK_SCALE || role == JK_AMAX)
 		return NK_F32;
 	if (role == JK_GAMMA || role == JK_BETA || role == JK_DGAMMA || role == JK_DBETA ||
 	    role == JK_MAIN_GRAD)
@@ -159,7 +200,8 @@ static bool is_output(const struct jobkit_spec *s, int role)
 		return role == JK_MAIN_GRAD;
 	if (op_is_backward(s->op))
 		return role == JK_DX || role == JK_DGAMMA || role == JK_DBETA;
-	return role == JK_Y || role == JK_MEAN || role == JK_RSTD;
+	return role == JK_Y || role == JK_MEAN || role == JK_RSTD || role == JK_RESIDUAL_OUT ||
+	       role == JK_AMAX;
 }
 
 void jobkit_args(const struct jobkit *kit, void *const ptr[JK_ROLES], struct nk_norm_args *a)
@@ -184,19 +226,36 @@ void jobkit_args(const struct jobkit *kit, void *const ptr[JK_ROLES], struct nk_
 	a->dx = ptr[JK_DX];
 	a->dgamma = ptr[JK_DGAMMA];
 	a->dbeta = ptr[JK_DBETA];
+	a->residual = ptr[JK_RESIDUAL];
+	a->residual_out = ptr[JK_RESIDUAL_OUT];
+	a->ds = ptr[JK_DS];
+	a->scale = ptr[JK_SCALE];
+	a->amax = ptr[JK_AMAX];
+	a->weight_offset = s->gamma ? s->weight_offset : 0.0f;
+	a->y_fp8 = jobkit_y_fp8(s);
 }
 
 /*
  * Backward inputs must be what a forward produced: run the reference forward
- * on x to get mean and rstd, and y for the memory-efficient backward.
+ * on x to get mean and rstd, and y for the memory-efficient backward. With
+ * a residual the forward adds a random residual to x, and the backward's x
+ * is that forward's s.
  */
 static int jobkit_forward_inputs(struct jobkit *kit)
 {
 	const struct jobkit_spec *s = &kit->spec;
 	size_t ybytes = role_bytes(s, JK_X);
-	void *y = malloc(ybytes);
+	void *y = malloc(ybytes), *res = NULL, *sum = NULL;
 	float *mean = malloc(s->rows * sizeof(float)), *rstd = malloc(s->rows * sizeof(float));
-	int rc = (y && mean && rstd) ? 0 : NC_ENOMEM;
+	if (s->residual) {
+		uint64_t state = (s->seed ? s->seed : 1) ^ 0x5eed;
+		res = malloc(ybytes);
+		sum = malloc(ybytes);
+		if (res)
+			fill_random(res, jobkit_role_dtype(s, JK_X), s->rows * s->cols, &state, -2.0,
+				    2.0, false);
+	}
+	int rc = (y && mean && rstd && (!s->residual || (res && sum))) ? 0 : NC_ENOMEM;
 	if (rc == 0) {
 		struct nk_norm_args a;
 		void *ptr[JK_ROLES] = {0};
@@ -204,25 +263,55 @@ static int jobkit_forward_inputs(struct jobkit *kit)
 		ptr[JK_Y] = y;
 		ptr[JK_MEAN] = op_is_layernorm(s->op) ? mean : NULL;
 		ptr[JK_RSTD] = rstd;
-		ptr[JK_DY] = ptr[JK_DX] = ptr[JK_DGAMMA] = ptr[JK_DBETA] = NULL;
+		ptr[JK_DY] = ptr[JK_DX] = ptr[JK_DGAMMA] = ptr[JK_DBETA] = ptr[JK_DS] = NULL;
+		ptr[JK_RESIDUAL] = res;
+		ptr[JK_RESIDUAL_OUT] = sum;
 		jobkit_args(kit, ptr, &a);
 		a.op = op_is_layernorm(s->op) ? NK_LAYERNORM_FWD : NK_RMSNORM_FWD;
 		a.flags = 0;
 		struct nk_cpu_opts opts = {.precision = NK_CPU_REFERENCE, .threads = 2};
-		struct nk_norm_result res;
-		rc = nk_cpu_norm(&a, &opts, &res) == NK_OK ? 0 : NC_EINTERNAL;
+		struct nk_norm_result result;
+		rc = nk_cpu_norm(&a, &opts, &result) == NK_OK ? 0 : NC_EINTERNAL;
 	}
 	if (rc == 0) {
 		if (s->memory_efficient)
 			memcpy(kit->ptr[JK_X], y, ybytes);
+		else if (s->residual)
+			memcpy(kit->ptr[JK_X], sum, ybytes);
 		if (kit->ptr[JK_MEAN])
 			memcpy(kit->ptr[JK_MEAN], mean, s->rows * sizeof(float));
 		memcpy(kit->ptr[JK_RSTD], rstd, s->rows * sizeof(float));
 	}
 	free(y);
+	free(res);
+	free(sum);
 	free(mean);
 	free(rstd);
 	return rc;
+}
+
+/*
+ * In-place forms (spec.in_place): the input an output is laid over, or -1.
+ * y over x only where both have the same bytes (an FP8 y is smaller).
+ */
+static int in_place_source(const struct jobkit_spec *s, int role)
+{
+	if (!s->in_place)
+		return -1;
+	if (role == JK_Y && !op_is_backward(s->op) && !op_is_wgrad(s->op) &&
+	    jobkit_y_fp8(s) == NK_FP8_NONE)
+		return JK_X;
+	if (role == JK_RESIDUAL_OUT && s->residual && !op_is_backward(s->op))
+		return JK_RESIDUAL;
+	if (role == JK_DX && op_is_backward(s->op))
+		return JK_DY;
+	return -1;
+}
+
+/* Whether `role` is an output that lies over an input (its memory holds the input). */
+static bool in_place_input(const struct jobkit *kit, int role)
+{
+	return in_place_source(&kit->spec, role) >= 0;
 }
 
 static void jobkit_fill(struct jobkit *kit, const bool used[JK_ROLES])
@@ -242,9 +331,20 @@ static void jobkit_fill(struct jobkit *kit, const bool used[JK_ROLES])
 		fill_random(kit->ptr[JK_DY], jobkit_role_dtype(s, JK_DY),
 			    kit->bytes[JK_DY] / nk_dtype_size(jobkit_role_dtype(s, JK_DY)), &state, -1.0,
 			    1.0, false);
-	/* Outputs: poison (all-ones bytes are NaN in every float type). */
+	if (used[JK_RESIDUAL])
+		fill_random(kit->ptr[JK_RESIDUAL], jobkit_role_dtype(s, JK_RESIDUAL),
+			    s->rows * s->cols, &state, -2.0, 2.0, false);
+	if (used[JK_DS])
+		fill_random(kit->ptr[JK_DS], jobkit_role_dtype(s, JK_DS), s->rows * s->cols, &state,
+			    -1.0, 1.0, false);
+	if (used[JK_SCALE]) {
+		/* |y| reaches about 4: e4m3 saturates now and then, e5m2 keeps its range. */
+		float scale = jobkit_y_fp8(s) == NK_FP8_E4M3 ? 96.0f : 2048.0f;
+		memcpy(kit->ptr[JK_SCALE], &scale, sizeof(scale));
+	}
+	/* Outputs: poison (all-ones bytes are NaN in every float type); in-place ones are inputs. */
 	for (int role = 0; role < JK_ROLES; role++) {
-		if (used[role] && is_output(s, role))
+		if (used[role] && is_output(s, role) && !in_place_input(kit, role))
 			memset(kit->ptr[role], 0xff, kit->bytes[role]);
 	}
 	/* Accumulate: start the accumulated outputs from random values, and remember them. */
@@ -260,11 +360,13 @@ static void jobkit_fill(struct jobkit *kit, const bool used[JK_ROLES])
 	}
 }
 
-static struct nc_tensor *job_tensor(struct nc_job *job, int role)
+static struct nc_tensor *job_tensor(struct nc_job *job, struct nc_job_ext *ext, int role)
 {
 	struct nc_tensor *const tensors[JK_ROLES] = {
-		&job->x,  &job->y,  &job->mean,	  &job->rstd,  &job->gamma,	 &job->beta,
-		&job->dy, &job->dx, &job->dgamma, &job->dbeta, &job->main_grad,
+		&job->x,       &job->y,		  &job->mean,  &job->rstd,   &job->gamma,
+		&job->beta,    &job->dy,	  &job->dx,    &job->dgamma, &job->dbeta,
+		&job->main_grad, &ext->residual, &ext->residual_out, &ext->ds, &ext->scale,
+		&ext->amax,
 	};
 	return tensors[role];
 }
@@ -301,6 +403,13 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 		if (!used[role])
 			continue;
 		kit->bytes[role] = role_bytes(spec, role);
+		/* In-place outputs take their input's place (inputs come first in role order
+		 * except residual, which precedes residual_out). */
+		int source = in_place_source(spec, role);
+		if (source >= 0 && used[source] && role > source) {
+			offsets[role] = offsets[source];
+			continue;
+		}
 		offsets[role] = total;
 		total += (kit->bytes[role] + JK_ALIGN - 1) / JK_ALIGN * JK_ALIGN;
 	}
@@ -324,18 +433,34 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 		job->flags = spec->accumulate ? 0u : NC_OVERWRITE;
 		job->out_features = spec->out_features;
 	}
+	if (!op_is_wgrad(spec->op)) {
+		kit->ext.weight_offset = spec->gamma ? spec->weight_offset : 0.0f;
+		kit->ext.y_dtype = jobkit_y_fp8(spec) != NK_FP8_NONE ? spec->y_dtype : 0;
+	}
 	char *base = spec->on_device ? kit->staging : nc_region_data(kit->region);
 	for (int role = 0; role < JK_ROLES; role++) {
 		if (!used[role])
 			continue;
 		kit->ptr[role] = base + offsets[role];
-		job_tensor(job, role)->region = nc_region_id(kit->region);
-		job_tensor(job, role)->offset = offsets[role];
+		job_tensor(job, &kit->ext, role)->region = nc_region_id(kit->region);
+		job_tensor(job, &kit->ext, role)->offset = offsets[role];
 	}
 	jobkit_fill(kit, used);
 	if (op_is_backward(spec->op) && jobkit_forward_inputs(kit) != 0) {
 		jobkit_destroy(kit);
 		return NC_ENOMEM;
+	}
+	/* The inputs an in-place output overwrites, kept for the reference. */
+	for (int role = 0; role < JK_ROLES; role++) {
+		int source = used[role] ? in_place_source(spec, role) : -1;
+		if (source < 0 || kit->saved[source])
+			continue;
+		kit->saved[source] = malloc(kit->bytes[source]);
+		if (!kit->saved[source]) {
+			jobkit_destroy(kit);
+			return NC_ENOMEM;
+		}
+		memcpy(kit->saved[source], kit->ptr[source], kit->bytes[source]);
 	}
 	/* Synchronized: a pageable copy may return before its DMA lands. */
 	if (spec->on_device &&
@@ -354,26 +479,44 @@ void jobkit_destroy(struct jobkit *kit)
 	if (kit->device_base)
 		cudaFree(kit->device_base);
 	free(kit->staging);
-	for (int role = 0; role < JK_ROLES; role++)
+	for (int role = 0; role < JK_ROLES; role++) {
 		free(kit->initial[role]);
+		free(kit->saved[role]);
+	}
 	memset(kit, 0, sizeof(*kit));
 }
 
 /* ---- checking ------------------------------------------------------------------ */
 
-/* The squared norm of rstd * dy * gamma, the terms dx is computed from. */
+/* An input as it was before the job ran (in-place outputs overwrite some). */
+static const void *input_of(const struct jobkit *kit, int role)
+{
+	return kit->saved[role] ? kit->saved[role] : kit->ptr[role];
+}
+
+/* The weight of column c: weight_offset + gamma, or 1. */
+static double jobkit_weight(const struct jobkit *kit, uint64_t c)
+{
+	const struct jobkit_spec *s = &kit->spec;
+	if (!kit->ptr[JK_GAMMA])
+		return 1.0;
+	return (double)s->weight_offset +
+	       nk_load(jobkit_role_dtype(s, JK_GAMMA), kit->ptr[JK_GAMMA], c);
+}
+
+/* The squared norm of rstd * dy * weight (+ ds), the terms dx is computed from. */
 static double dx_term_norm2(const struct jobkit *kit)
 {
 	const struct jobkit_spec *s = &kit->spec;
+	enum nk_dtype dt = jobkit_role_dtype(s, JK_DY);
 	double sum = 0;
 	for (uint64_t r = 0; r < s->rows; r++) {
 		double rstd = nk_load(NK_F32, kit->ptr[JK_RSTD], r);
 		for (uint64_t c = 0; c < s->cols; c++) {
-			double g = kit->ptr[JK_GAMMA]
-					   ? nk_load(jobkit_role_dtype(s, JK_GAMMA), kit->ptr[JK_GAMMA], c)
-					   : 1.0;
-			double t = rstd * g *
-				   nk_load(jobkit_role_dtype(s, JK_DY), kit->ptr[JK_DY], r * s->cols + c);
+			uint64_t i = r * s->cols + c;
+			double t = fabs(rstd * jobkit_weight(kit, c) * nk_load(dt, input_of(kit, JK_DY), i));
+			if (kit->ptr[JK_DS])
+				t += fabs(nk_load(dt, kit->ptr[JK_DS], i));
 			sum += t * t;
 		}
 	}
@@ -384,10 +527,9 @@ static double dx_term_norm2(const struct jobkit *kit)
 static double jobkit_x_hat(const struct jobkit *kit, uint64_t r, uint64_t c)
 {
 	const struct jobkit_spec *s = &kit->spec;
-	double in = nk_load(jobkit_role_dtype(s, JK_X), kit->ptr[JK_X], r * s->cols + c);
+	double in = nk_load(jobkit_role_dtype(s, JK_X), input_of(kit, JK_X), r * s->cols + c);
 	if (s->memory_efficient) {
-		double g = kit->ptr[JK_GAMMA] ? nk_load(jobkit_role_dtype(s, JK_GAMMA), kit->ptr[JK_GAMMA], c)
-					      : 1.0;
+		double g = jobkit_weight(kit, c);
 		double b = kit->ptr[JK_BETA] ? nk_load(jobkit_role_dtype(s, JK_BETA), kit->ptr[JK_BETA], c)
 					     : 0.0;
 		double eps = kit->job.eps;
@@ -400,19 +542,24 @@ static double jobkit_x_hat(const struct jobkit *kit, uint64_t r, uint64_t c)
 }
 
 /*
- * The squared norm, over rows, of mean(|x|): the size LayerNorm's mean
- * would have without cancellation (a row of few columns whose values
- * nearly cancel has a mean near zero, whose correct fp32 rounding is large
- * against the mean itself).
+ * The squared norm, over rows, of mean(|x|) (|x| + |residual| with a
+ * residual): the size LayerNorm's mean would have without cancellation (a
+ * row of few columns whose values nearly cancel has a mean near zero,
+ * whose correct fp32 rounding is large against the mean itself).
  */
 static double mean_term_norm2(const struct jobkit *kit)
 {
 	const struct jobkit_spec *s = &kit->spec;
+	enum nk_dtype dt = jobkit_role_dtype(s, JK_X);
 	double sum = 0;
 	for (uint64_t r = 0; r < s->rows; r++) {
 		double row = 0;
-		for (uint64_t c = 0; c < s->cols; c++)
-			row += fabs(nk_load(jobkit_role_dtype(s, JK_X), kit->ptr[JK_X], r * s->cols + c));
+		for (uint64_t c = 0; c < s->cols; c++) {
+			uint64_t i = r * s->cols + c;
+			row += fabs(nk_load(dt, input_of(kit, JK_X), i));
+			if (kit->ptr[JK_RESIDUAL])
+				row += fabs(nk_load(dt, input_of(kit, JK_RESIDUAL), i));
+		}
 		row /= (double)s->cols;
 		sum += row * row;
 	}
@@ -431,7 +578,8 @@ static double dweight_term_norm2(const struct jobkit *kit, int role)
 	for (uint64_t c = 0; c < s->cols; c++) {
 		double col = 0;
 		for (uint64_t r = 0; r < s->rows; r++) {
-			double dy = nk_load(jobkit_role_dtype(s, JK_DY), kit->ptr[JK_DY], r * s->cols + c);
+			double dy = nk_load(jobkit_role_dtype(s, JK_DY), input_of(kit, JK_DY),
+					    r * s->cols + c);
 			col += fabs(role == JK_DBETA ? dy : dy * jobkit_x_hat(kit, r, c));
 		}
 		sum += col * col;
@@ -455,10 +603,67 @@ static double terms_norm2(const struct jobkit *kit, int role)
 	}
 }
 
+/* An FP8 code's place on the number line: adjacent values differ by one. */
+static int fp8_rank(uint8_t code)
+{
+	return (code & 0x80) ? -(int)(code & 0x7f) : (int)code;
+}
+
+/*
+ * An FP8 y against the reference's codes: both NaN together; no code more
+ * than one step from the reference's (fp32 and fp64 round alike except
+ * where y * scale lies within fp32's error of a midpoint, where they may
+ * pick neighbours), such neighbours in at most 1 element in 1000 (and 2),
+ * and the decoded values within 1e-2 relative L2.
+ */
+static void compare_fp8(const struct jobkit *kit, const void *ref, struct jobkit_report *report)
+{
+	enum nk_fp8 f = jobkit_y_fp8(&kit->spec);
+	const uint8_t *out = kit->ptr[JK_Y], *want = ref;
+	size_t n = kit->bytes[JK_Y], neighbours = 0;
+	double err2 = 0, ref2 = 0, max_abs = 0, max_ref = 0;
+	for (size_t i = 0; i < n; i++) {
+		double o = nk_fp8_to_double(f, out[i]), w = nk_fp8_to_double(f, want[i]);
+		bool step = abs(fp8_rank(out[i]) - fp8_rank(want[i])) == 1;
+		if (isnan(o) != isnan(w) || (out[i] != want[i] && !step)) {
+			if (report->ok)
+				snprintf(report->detail, sizeof(report->detail),
+					 "y[%zu] = %s code 0x%02x, reference 0x%02x", i,
+					 nk_fp8_name(f), out[i], want[i]);
+			report->ok = false;
+			report->max_abs_err = INFINITY;
+			return;
+		}
+		neighbours += out[i] != want[i];
+		if (isnan(o))
+			continue;
+		err2 += (o - w) * (o - w);
+		ref2 += w * w;
+		max_abs = fmax(max_abs, fabs(o - w));
+		max_ref = fmax(max_ref, fabs(w));
+	}
+	double rel_l2 = ref2 > 0 ? sqrt(err2 / ref2) : sqrt(err2);
+	report->max_abs_err = fmax(report->max_abs_err, max_abs);
+	report->max_rel_err = fmax(report->max_rel_err, max_ref > 0 ? max_abs / max_ref : max_abs);
+	report->rel_l2_err = fmax(report->rel_l2_err, rel_l2);
+	report->tolerance = fmax(report->tolerance, 1e-2);
+	if ((neighbours > 2 && neighbours * 1000 > n) || !(rel_l2 < 1e-2)) {
+		if (report->ok)
+			snprintf(report->detail, sizeof(report->detail),
+				 "y: %zu of %zu %s codes one step off, relative L2 %.3g", neighbours,
+				 n, nk_fp8_name(f), rel_l2);
+		report->ok = false;
+	}
+}
+
 /* Compares one output; updates the report. */
 static void compare_output(const struct jobkit *kit, int role, const void *ref,
 			   struct jobkit_report *report)
 {
+	if (role == JK_Y && jobkit_y_fp8(&kit->spec) != NK_FP8_NONE) {
+		compare_fp8(kit, ref, report);
+		return;
+	}
 	enum nk_dtype dtype = jobkit_role_dtype(&kit->spec, role);
 	size_t n = kit->bytes[role] / nk_dtype_size(dtype);
 	double tolerance = dtype == NK_F32 ? 1e-5 : 1e-2;
@@ -543,6 +748,8 @@ bool jobkit_check(const struct jobkit *kit, struct jobkit_report *report)
 		return false;
 	}
 	memcpy(ptr, kit->ptr, sizeof(ptr));
+	for (int role = 0; role < JK_ROLES; role++)
+		ptr[role] = (void *)input_of(kit, role);
 	for (int role = 0; role < JK_ROLES; role++) {
 		if (!kit->ptr[role] || !is_output(&kit->spec, role))
 			continue;

@@ -6,8 +6,10 @@
  * tensor the op uses in it (16-byte aligned), fills the inputs with seeded
  * random data (never zeros), makes backward inputs consistent (mean, rstd and
  * y come from a reference forward of x), poisons the outputs, and fills in
- * the struct nc_job. After the daemon ran the job, jobkit_check() recomputes
- * it with the CPU reference (fp64 compute) and compares every output.
+ * the struct nc_job (and struct nc_job_ext for the norm variants: submit
+ * both with the *_ext calls). After the daemon ran the job, jobkit_check()
+ * recomputes it with the CPU reference (fp64 compute) and compares every
+ * output.
  * Uses only the public client API plus the CPU kernels.
  */
 #ifndef NORMD_JOBKIT_H
@@ -33,6 +35,13 @@ struct jobkit_spec {
 				       accumulate = main_grad += (else =) */
 	bool on_device;             /* tensors in cudaMalloc memory (CUDA backend) */
 	int device;                 /* which GPU, when on_device */
+	/* The norm variants (docs/VARIANTS.md): */
+	bool residual;              /* forward: s = x + residual into residual_out; backward:
+				       x holds s and ds (the gradient at s) is added */
+	float weight_offset;        /* the weight is weight_offset + gamma (needs gamma) */
+	enum nc_dtype y_dtype;      /* forward: 0 (dtype), NC_F8E4M3 or NC_F8E5M2 */
+	bool in_place;              /* y over x and residual_out over residual (where the
+				       sizes match), or dx over dy */
 };
 
 struct jobkit {
@@ -42,14 +51,17 @@ struct jobkit {
 	void *staging;              /* on_device: host copy that ptr[] points into */
 	size_t total;               /* bytes of all tensors */
 	struct nc_job job;          /* ready to submit */
-	size_t bytes[11];           /* bytes of each tensor, by role (0: absent) */
-	void *ptr[11];              /* each tensor in the region, by role */
-	void *initial[11];          /* accumulate: dgamma/dbeta/main_grad before the run */
+	struct nc_job_ext ext;      /* its variants (zero for a plain job) */
+	size_t bytes[16];           /* bytes of each tensor, by role (0: absent) */
+	void *ptr[16];              /* each tensor in the region, by role */
+	void *initial[16];          /* accumulate: dgamma/dbeta/main_grad before the run */
+	void *saved[16];            /* in_place: the inputs an output overwrites, as created */
 };
 
-/* Tensor roles, the order of ptr[] and bytes[]. */
+/* Tensor roles, the order of ptr[] and bytes[] (proto/job_roles.h's order). */
 enum jobkit_role { JK_X, JK_Y, JK_MEAN, JK_RSTD, JK_GAMMA, JK_BETA, JK_DY, JK_DX, JK_DGAMMA,
-		   JK_DBETA, JK_MAIN_GRAD };
+		   JK_DBETA, JK_MAIN_GRAD, JK_RESIDUAL, JK_RESIDUAL_OUT, JK_DS, JK_SCALE, JK_AMAX };
+#define JK_ROLES 16
 
 struct jobkit_report {
 	double max_abs_err;  /* largest |out - ref| over all outputs */
@@ -70,11 +82,23 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 /* Checks the outputs against the reference; returns report->ok. */
 bool jobkit_check(const struct jobkit *kit, struct jobkit_report *report);
 
-/* The storage dtype of a tensor role: statistics fp32, weights weight_dtype, the rest dtype. */
+/*
+ * The storage dtype of a tensor role: statistics, scale and amax fp32,
+ * weights weight_dtype, the rest dtype (an FP8 y has none: see jobkit_y_fp8).
+ */
 enum nk_dtype jobkit_role_dtype(const struct jobkit_spec *spec, int role);
 
+/* The FP8 format of the spec's y (NK_FP8_NONE: y has dtype). */
+enum nk_fp8 jobkit_y_fp8(const struct jobkit_spec *spec);
+
 /* The CPU reference's arguments for the kit's job over the tensors at `ptr` (by role). */
-void jobkit_args(const struct jobkit *kit, void *const ptr[11], struct nk_norm_args *args);
+void jobkit_args(const struct jobkit *kit, void *const ptr[JK_ROLES], struct nk_norm_args *args);
+
+/* A short name of the spec's variants ("+add+zero_centered+fp8_e4m3"), "" for none. */
+const char *jobkit_variant_label(const struct jobkit_spec *spec, char *buf, size_t len);
+
+/* The variants (enum nc_norm_features) the spec's job uses. */
+uint32_t jobkit_features(const struct jobkit_spec *spec);
 
 /* Frees the region (unregisters it) and the kit's copies. Accepts a zeroed kit. */
 void jobkit_destroy(struct jobkit *kit);

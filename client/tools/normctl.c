@@ -7,9 +7,13 @@
  *   normctl [--socket PATH] demo [--rows N] [--cols N]
  *
  * `demo` runs LayerNorm and RMSNorm forward and backward (memory_efficient
- * off and on) in several dtypes through the daemon on random data, checks
- * each result against the float64 reference and prints one line per job.
- * It exits non-zero if any job fails or misses its tolerance.
+ * off and on) in several dtypes through the daemon on random data, then the
+ * norm variants (residual add "+add", in place "+inplace", zero-centered
+ * and offset weights, FP8 output "+fp8_e4m3"/"+fp8_e5m2") and the
+ * weight-gradient GEMM, checks each result against the float64 reference
+ * and prints one line per job. Variants the daemon's backend does not run
+ * are listed as skipped. It exits non-zero if any job fails or misses its
+ * tolerance.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -93,14 +97,17 @@ static int cmd_variants(nc_conn *conn)
 	return 0;
 }
 
+#define LABEL_WIDTH 36
+
 /* One demo job; returns true if it ran and matched the reference. */
 static bool demo_one(nc_conn *conn, const struct jobkit_spec *spec)
 {
 	struct jobkit kit;
 	struct nc_job_result result;
 	struct jobkit_report report = {0};
-	char label[96];
-	snprintf(label, sizeof(label), "%s%s%s", jobkit_op_name(spec->op),
+	char label[96], variants[64];
+	snprintf(label, sizeof(label), "%s%s%s%s", jobkit_op_name(spec->op),
+		 jobkit_variant_label(spec, variants, sizeof(variants)),
 		 spec->memory_efficient ? "+mem_eff" : "",
 		 spec->op == NC_WGRAD_ACCUM ? (spec->accumulate ? "+=" : "=") : "");
 	char dtypes[16];
@@ -108,22 +115,81 @@ static bool demo_one(nc_conn *conn, const struct jobkit_spec *spec)
 		 jobkit_dtype_name(spec->weight_dtype ? spec->weight_dtype : spec->dtype));
 	int rc = jobkit_create(conn, spec, &kit);
 	if (rc) {
-		printf("%-22s %6llux%-6llu %-9s FAILED to set up: %s\n", label,
+		printf("%-*s %6llux%-6llu %-9s FAILED to set up: %s\n", LABEL_WIDTH, label,
 		       (unsigned long long)spec->rows, (unsigned long long)spec->cols, dtypes,
 		       nc_last_error());
 		return false;
 	}
 	double t0 = now_us();
-	rc = nc_job_run(conn, &kit.job, TIMEOUT_MS, &result);
+	rc = nc_job_run_ext(conn, &kit.job, &kit.ext, TIMEOUT_MS, &result);
 	double latency = now_us() - t0;
 	bool ok = rc == NC_OK && jobkit_check(&kit, &report);
-	printf("%-22s %6llux%-6llu %-9s %10.3g %10.3g %10.3g %9.0f  %-7s %s\n", label,
+	printf("%-*s %6llux%-6llu %-9s %10.3g %10.3g %10.3g %9.0f  %-7s %s\n", LABEL_WIDTH, label,
 	       (unsigned long long)spec->rows, (unsigned long long)spec->cols, dtypes,
 	       report.max_abs_err, report.max_rel_err, report.rel_l2_err, latency,
 	       ok ? "ok" : "FAILED",
 	       rc ? result.message : (ok ? result.variant : report.detail));
 	jobkit_destroy(&kit);
 	return ok;
+}
+
+/*
+ * The norm variants of issue 19, one row each (docs/VARIANTS.md): residual
+ * add (and vLLM's in-place form), zero-centered and offset weights, FP8
+ * output, forward and backward where they apply.
+ */
+struct demo_variant {
+	enum nc_op op;
+	enum nc_dtype dtype;
+	bool residual, in_place, memory_efficient;
+	float weight_offset;
+	enum nc_dtype y_dtype;
+};
+
+static const struct demo_variant demo_variants[] = {
+	{NC_LAYERNORM_FWD, NC_BF16, true, false, false, 0, 0},
+	{NC_RMSNORM_FWD, NC_BF16, true, false, false, 0, 0},
+	{NC_RMSNORM_FWD, NC_F16, true, true, false, 0, 0},
+	{NC_LAYERNORM_BWD, NC_BF16, true, false, false, 0, 0},
+	{NC_RMSNORM_BWD, NC_F32, true, false, true, 0, 0},
+	{NC_RMSNORM_BWD, NC_BF16, true, true, false, 0, 0},
+	{NC_LAYERNORM_FWD, NC_BF16, false, false, false, 1.0f, 0},
+	{NC_LAYERNORM_BWD, NC_BF16, false, false, true, 1.0f, 0},
+	{NC_RMSNORM_FWD, NC_BF16, false, false, false, 1.0f, 0},
+	{NC_RMSNORM_BWD, NC_F32, false, false, false, 1.0f, 0},
+	{NC_LAYERNORM_FWD, NC_BF16, false, false, false, 0, NC_F8E4M3},
+	{NC_RMSNORM_FWD, NC_F16, false, false, false, 0, NC_F8E5M2},
+	{NC_RMSNORM_FWD, NC_BF16, true, false, false, 1.0f, NC_F8E4M3},
+};
+
+/* Runs the variant rows the daemon runs; counts them in *total and *failed. */
+static void demo_run_variants(nc_conn *conn, uint64_t rows, uint64_t cols, bool on_device,
+			      int device, int *total, int *failed)
+{
+	uint32_t features = nc_server_norm_features(conn);
+	for (size_t i = 0; i < sizeof(demo_variants) / sizeof(demo_variants[0]); i++) {
+		const struct demo_variant *v = &demo_variants[i];
+		struct jobkit_spec spec = {
+			.op = v->op, .rows = rows, .cols = cols, .dtype = v->dtype,
+			.gamma = true, .beta = true, .memory_efficient = v->memory_efficient,
+			.residual = v->residual, .in_place = v->in_place,
+			.weight_offset = v->weight_offset, .y_dtype = v->y_dtype,
+			.seed = 1000 + (uint64_t)*total, .on_device = on_device, .device = device,
+		};
+		uint32_t missing = jobkit_features(&spec) & ~features;
+		if (missing) {
+			char variants[64];
+			printf("%-*s %6llux%-6llu %-9s skipped: the %s backend does not run it "
+			       "(features 0x%x)\n",
+			       LABEL_WIDTH, jobkit_op_name(spec.op), (unsigned long long)rows,
+			       (unsigned long long)cols,
+			       jobkit_variant_label(&spec, variants, sizeof(variants)),
+			       nc_server_info(conn)->backend, missing);
+			continue;
+		}
+		*failed += !demo_one(conn, &spec);
+		(*total)++;
+	}
 }
 
 static int cmd_demo(nc_conn *conn, uint64_t rows, uint64_t cols)
@@ -140,8 +206,8 @@ static int cmd_demo(nc_conn *conn, uint64_t rows, uint64_t cols)
 	printf("normd demo on the %s backend; errors against the float64 reference\n"
 	       "(rel = max|out-ref| / max|ref| per output; L2 = ||out-ref|| / ||ref||)\n\n",
 	       nc_server_info(conn)->backend);
-	printf("%-22s %13s %-9s %10s %10s %10s %9s  %-7s %s\n", "job", "shape", "dtype",
-	       "max_abs", "max_rel", "rel_L2", "lat_us", "result", "variant");
+	printf("%-*s %13s %-9s %10s %10s %10s %9s  %-7s %s\n", LABEL_WIDTH, "job", "shape",
+	       "dtype", "max_abs", "max_rel", "rel_L2", "lat_us", "result", "variant");
 	for (size_t t = 0; t < sizeof(types) / sizeof(types[0]); t++) {
 		for (size_t o = 0; o < sizeof(ops) / sizeof(ops[0]); o++) {
 			bool bwd = ops[o] == NC_LAYERNORM_BWD || ops[o] == NC_RMSNORM_BWD;
@@ -158,6 +224,7 @@ static int cmd_demo(nc_conn *conn, uint64_t rows, uint64_t cols)
 			}
 		}
 	}
+	demo_run_variants(conn, rows, cols, on_device, device, &total, &failed);
 	/* The weight-gradient GEMM: main_grad[out, in] (+)= dy^T x, tokens = rows. */
 	for (size_t t = 0; t < sizeof(types) / sizeof(types[0]); t++) {
 		for (int accumulate = 0; accumulate <= 1; accumulate++) {

@@ -33,7 +33,8 @@
 #define MAX_INFLIGHT 1024         /* per thread */
 #define MAX_SIZE (1ull << 26)     /* largest rows or cols accepted on the command line */
 #define MAX_LIST 64
-#define ROLES (JK_MAIN_GRAD + 1)  /* jobkit's tensor roles */
+#define ROLES JK_ROLES            /* jobkit's tensor roles */
+#define JOB_ROLES (JK_MAIN_GRAD + 1) /* of them, those of struct nc_job (the rest: nc_job_ext) */
 #define ENQUEUE_MAX_STREAMS 64    /* streams one connection may enqueue on (normclient.h) */
 
 _Static_assert(ATOMIC_LONG_LOCK_FREE == 2 && ATOMIC_BOOL_LOCK_FREE == 2,
@@ -196,7 +197,11 @@ struct kit {
 bool kit_op_is_backward(int op);
 /* Whether jobkit role `role` is written by `op`. */
 bool kit_role_is_output(int op, int role);
-/* A kit of a random op, shape, dtype and flags drawn from the options. */
+/*
+ * A kit of a random op, shape, dtype and flags drawn from the options, and
+ * of the norm variants the daemon runs (host kits only: the GPU check of
+ * the enqueue mode compares plain outputs).
+ */
 int kit_create(nc_conn *conn, const struct stress_opts *o, uint64_t *rng, struct kit *k);
 /* Frees the kit's region; accepts a kit that was never created. */
 void kit_destroy(struct kit *k);

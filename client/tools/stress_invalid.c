@@ -49,19 +49,19 @@ bool bad_status_ok(enum stress_mode mode, int kind, int rc)
 
 static struct nc_tensor *job_tensor(struct nc_job *job, int role)
 {
-	struct nc_tensor *const tensors[ROLES] = {
+	struct nc_tensor *const tensors[JOB_ROLES] = {
 		&job->x,  &job->y,  &job->mean,	  &job->rstd,  &job->gamma,	 &job->beta,
 		&job->dy, &job->dx, &job->dgamma, &job->dbeta, &job->main_grad,
 	};
 	return tensors[role];
 }
 
-/* A random role the kit's job uses (x at least). */
+/* A random role of struct nc_job the kit's job uses (x at least). */
 static int random_present_role(const struct kit *k, uint64_t *rng)
 {
-	int start = (int)rng_below(rng, ROLES);
-	for (int i = 0; i < ROLES; i++) {
-		int role = (start + i) % ROLES;
+	int start = (int)rng_below(rng, JOB_ROLES);
+	for (int i = 0; i < JOB_ROLES; i++) {
+		int role = (start + i) % JOB_ROLES;
 		if (k->jk.ptr[role])
 			return role;
 	}

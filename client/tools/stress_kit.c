@@ -20,10 +20,31 @@ bool kit_role_is_output(int op, int role)
 		return role == JK_MAIN_GRAD;
 	if (kit_op_is_backward(op))
 		return role == JK_DX || role == JK_DGAMMA || role == JK_DBETA;
-	return role == JK_Y || role == JK_MEAN || role == JK_RSTD;
+	return role == JK_Y || role == JK_MEAN || role == JK_RSTD || role == JK_RESIDUAL_OUT ||
+	       role == JK_AMAX;
 }
 
-static void kit_random_spec(const struct stress_opts *o, uint64_t *rng, struct jobkit_spec *s)
+/*
+ * The norm variants, each on a quarter of the jobs, where the daemon runs
+ * them: residual add, a weight offset (zero-centered), FP8 output. No
+ * in-place forms: a kit runs many jobs, and each would change the next one's
+ * inputs.
+ */
+static void kit_random_variants(uint32_t features, uint64_t *rng, struct jobkit_spec *s)
+{
+	if (s->op == NC_WGRAD_ACCUM)
+		return;
+	bool forward = !kit_op_is_backward(s->op);
+	if ((features & NC_FEATURE_RESIDUAL) && rng_below(rng, 4) == 0)
+		s->residual = true;
+	if ((features & NC_FEATURE_WEIGHT_OFFSET) && s->gamma && rng_below(rng, 4) == 0)
+		s->weight_offset = 1.0f;
+	if ((features & NC_FEATURE_FP8_OUTPUT) && forward && rng_below(rng, 4) == 0)
+		s->y_dtype = rng_next(rng) & 1 ? NC_F8E4M3 : NC_F8E5M2;
+}
+
+static void kit_random_spec(const struct stress_opts *o, uint32_t features, uint64_t *rng,
+			    struct jobkit_spec *s)
 {
 	memset(s, 0, sizeof(*s));
 	s->op = (enum nc_op)o->ops[rng_below(rng, o->n_ops)];
@@ -48,12 +69,14 @@ static void kit_random_spec(const struct stress_opts *o, uint64_t *rng, struct j
 		s->accumulate = rng_next(rng) & 1; /* main_grad += (or =) */
 		s->memory_efficient = false;
 	}
+	if (!o->on_device)
+		kit_random_variants(features, rng, s);
 }
 
 int kit_create(nc_conn *conn, const struct stress_opts *o, uint64_t *rng, struct kit *k)
 {
 	struct jobkit_spec spec;
-	kit_random_spec(o, rng, &spec);
+	kit_random_spec(o, nc_server_norm_features(conn), rng, &spec);
 	memset(k, 0, sizeof(*k));
 	int rc = jobkit_create(conn, &spec, &k->jk);
 	if (rc)
@@ -115,7 +138,7 @@ bool kit_check(const struct kit *k, struct jobkit_report *report)
 	return jobkit_check(&k->jk, report);
 }
 
-/* "ln_bwd 37x1000 bf16/f32 gamma beta mem_eff acc" */
+/* "ln_bwd 37x1000 bf16/f32 gamma beta mem_eff acc +add+zero_centered" */
 void kit_describe(const struct kit *k, char *buf, size_t len)
 {
 	const struct jobkit_spec *s = &k->jk.spec;
@@ -126,9 +149,12 @@ void kit_describe(const struct kit *k, char *buf, size_t len)
 			break;
 		}
 	}
-	snprintf(buf, len, "%s %llux%llu %s/%s%s%s%s%s", op, (unsigned long long)s->rows,
+	char variants[64];
+	jobkit_variant_label(s, variants, sizeof(variants));
+	snprintf(buf, len, "%s %llux%llu %s/%s%s%s%s%s%s%s", op, (unsigned long long)s->rows,
 		 (unsigned long long)s->cols, jobkit_dtype_name(s->dtype),
 		 jobkit_dtype_name(s->weight_dtype ? s->weight_dtype : s->dtype),
 		 s->gamma ? " gamma" : "", s->beta ? " beta" : "",
-		 s->memory_efficient ? " mem_eff" : "", s->accumulate ? " acc" : "");
+		 s->memory_efficient ? " mem_eff" : "", s->accumulate ? " acc" : "",
+		 variants[0] ? " " : "", variants);
 }

@@ -204,7 +204,8 @@ static void worker_enqueue(struct worker *w, struct flight *f, const struct nc_j
 	bool device = w->opt->on_device;
 	if (device && f->verify && !worker_check_ready(w, f))
 		return;
-	int rc = nc_job_enqueue(w->conn, job, device ? (void *)f->stream : (void *)f);
+	const struct nc_job_ext *ext = &w->kits[f->kit].jk.ext;
+	int rc = nc_job_enqueue_ext(w->conn, job, ext, device ? (void *)f->stream : (void *)f);
 	if (f->bad_kind >= 0 && rc != NC_OK) {
 		struct nc_job_result res = {.status = rc};
 		snprintf(res.message, sizeof(res.message), "%s", nc_last_error());
@@ -250,8 +251,9 @@ static void worker_submit(struct worker *w, struct flight *f)
 	/* The event mode's call returns once the job is queued (or refused). */
 	bool events = w->opt->mode == MODE_EVENT;
 	struct nc_job_result res;
-	int rc = events ? nc_job_run_event(w->conn, &job, f->stream, w->opt->timeout_ms, &res)
-			: nc_job_submit(w->conn, &job, &f->request_id);
+	int rc = events ? nc_job_run_event_ext(w->conn, &job, &k->jk.ext, f->stream,
+					       w->opt->timeout_ms, &res)
+			: nc_job_submit_ext(w->conn, &job, &k->jk.ext, &f->request_id);
 	if (events ? wait_failed(rc) : rc != NC_OK) {
 		worker_unexpected(w, rc);
 		worker_say(w, "submit: %s: %s", nc_status_name(rc), nc_last_error());

@@ -221,6 +221,62 @@ static void wgrad_seeds(void)
 	}
 }
 
+/*
+ * Protocol 3's norm variants: a residual-add forward with a zero-centered
+ * weight and FP8 output, vLLM's in-place form, a backward with ds, and a
+ * forward whose y overlaps x partially (refused).
+ */
+static void variant_seeds(void)
+{
+	enum { ROWS = 4, COLS = 64, ROW_BYTES = ROWS * COLS * 4 };
+	for (int k = 0; k < 4; k++) {
+		static const char *const names[] = {"variant_add_zc_fp8", "variant_in_place",
+						    "variant_bwd_ds", "variant_partial_alias"};
+		struct stream s = {0};
+		add_hello(&s);
+		add_register(&s, REGION_ID, REGION_BYTES);
+		Normd__Tensor t[8];
+		for (int i = 0; i < 8; i++) {
+			normd__tensor__init(&t[i]);
+			t[i].region_id = REGION_ID;
+			t[i].has_offset = true;
+			t[i].offset = (uint64_t)i * ROW_BYTES;
+		}
+		Normd__Job job = NORMD__JOB__INIT;
+		job.op = k == 2 ? NORMD__OP__RMSNORM_BWD : NORMD__OP__RMSNORM_FWD;
+		job.rows = ROWS;
+		job.cols = COLS;
+		job.dtype = NORMD__DTYPE__BF16;
+		job.x = &t[0];
+		job.gamma = &t[1];
+		job.rstd = &t[2];
+		if (k == 2) {
+			job.dy = &t[3];
+			job.dx = &t[4];
+			job.ds = &t[5];
+		} else {
+			job.y = k == 1 ? &t[0] : &t[3];
+			job.residual = &t[5];
+			job.residual_out = k == 1 ? &t[5] : &t[6];
+		}
+		if (k == 0) {
+			job.has_weight_offset = job.has_y_dtype = true;
+			job.weight_offset = 1.0f;
+			job.y_dtype = NORMD__DTYPE__F8E4M3;
+			job.scale = &t[7];
+			t[4].offset = 7 * ROW_BYTES + 64;
+			job.amax = &t[4];
+		}
+		if (k == 3)
+			t[3].offset = 2; /* y two bytes into x */
+		Normd__Envelope env = NORMD__ENVELOPE__INIT;
+		env.body_case = NORMD__ENVELOPE__BODY_JOB;
+		env.job = &job;
+		add(&s, &env);
+		save(names[k], &s);
+	}
+}
+
 /* One valid frame of every message type, daemon-to-client ones included. */
 static void message_seeds(void)
 {
@@ -380,6 +436,7 @@ int main(int argc, char **argv)
 	out_dir = argv[1];
 	session_seeds();
 	wgrad_seeds();
+	variant_seeds();
 	message_seeds();
 	bad_seeds();
 	return 0;

@@ -364,14 +364,16 @@ int test_run_checked(nc_conn *conn, const struct jobkit_spec *spec, int timeout_
 		fprintf(stderr, "%s: set-up failed: %s\n", jobkit_op_name(spec->op), nc_last_error());
 		return -1;
 	}
-	int rc = nc_job_run(conn, &kit.job, timeout_ms, &result);
+	int rc = nc_job_run_ext(conn, &kit.job, &kit.ext, timeout_ms, &result);
 	bool ok = rc == NC_OK && jobkit_check(&kit, &report);
+	char variants[64];
 	if (!ok)
-		fprintf(stderr, "%s %llux%llu (out %llu) dtype %d/%d me %d acc %d: %s (%s) %s\n",
-			jobkit_op_name(spec->op), (unsigned long long)spec->rows,
-			(unsigned long long)spec->cols, (unsigned long long)spec->out_features,
-			spec->dtype, spec->weight_dtype, spec->memory_efficient, spec->accumulate,
-			nc_status_name(rc), result.message, report.detail);
+		fprintf(stderr, "%s%s %llux%llu (out %llu) dtype %d/%d me %d acc %d: %s (%s) %s\n",
+			jobkit_op_name(spec->op), jobkit_variant_label(spec, variants, sizeof(variants)),
+			(unsigned long long)spec->rows, (unsigned long long)spec->cols,
+			(unsigned long long)spec->out_features, spec->dtype, spec->weight_dtype,
+			spec->memory_efficient, spec->accumulate, nc_status_name(rc), result.message,
+			report.detail);
 	jobkit_destroy(&kit);
 	return ok ? 0 : -1;
 }

@@ -72,8 +72,9 @@ bool raw_closed(int fd, int timeout_ms);
 struct jobkit_spec;
 struct nc_conn;
 /*
- * Creates the spec's job (jobkit), runs it, checks it against the reference
- * and prints what went wrong to stderr. Returns 0 when the result is right.
+ * Creates the spec's job (jobkit, variants included), runs it, checks it
+ * against the reference and prints what went wrong to stderr. Returns 0
+ * when the result is right.
  */
 int test_run_checked(struct nc_conn *conn, const struct jobkit_spec *spec, int timeout_ms);
 
