@@ -717,7 +717,7 @@ static void launcher_run(struct cuda_launcher *l, struct job *job)
 	}
 	if (job->status != NC_OK && job->bound && job->device == es->device &&
 	    !atomic_load(&ce->abandoned)) {
-		struct job_output out[4];
+		struct job_output out[JOB_MAX_OUTPUTS];
 		unsigned n = job_outputs(job, out);
 		for (unsigned i = 0; i < n; i++) {
 			if (cudaMemsetAsync(out[i].ptr, 0xff, (size_t)out[i].bytes, ce->stream) !=

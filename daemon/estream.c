@@ -170,7 +170,7 @@ int estream_for_job(struct client *c, const Normd__Enqueue *msg, struct estream 
 void estream_poison_host(const struct job *job)
 {
 	struct job_output out[JOB_MAX_OUTPUTS];
-	unsigned n = job->bound ? job_outputs_all(job, out) : 0;
+	unsigned n = job->bound ? job_outputs(job, out) : 0;
 	for (unsigned i = 0; i < n; i++)
 		memset(out[i].ptr, 0xff, (size_t)out[i].bytes);
 }

@@ -459,7 +459,7 @@ int job_validate(struct job *job, const struct region_table *regions, const stru
 	return 0;
 }
 
-unsigned job_outputs_all(const struct job *job, struct job_output out[JOB_MAX_OUTPUTS])
+unsigned job_outputs(const struct job *job, struct job_output out[JOB_MAX_OUTPUTS])
 {
 	static const enum nc__job_role fwd[] = {NC__ROLE_Y, NC__ROLE_RESIDUAL_OUT, NC__ROLE_AMAX,
 						NC__ROLE_RSTD, NC__ROLE_MEAN};
@@ -493,15 +493,6 @@ unsigned job_outputs_all(const struct job *job, struct job_output out[JOB_MAX_OU
 		out[n].bytes = role_elems(job, roles[i]) * role_elem_size(job, roles[i]);
 		n++;
 	}
-	return n;
-}
-
-unsigned job_outputs(const struct job *job, struct job_output out[4])
-{
-	struct job_output all[JOB_MAX_OUTPUTS];
-	unsigned n = job_outputs_all(job, all);
-	n = n > 4 ? 4 : n;
-	memcpy(out, all, n * sizeof(all[0]));
 	return n;
 }
 

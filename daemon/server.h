@@ -238,16 +238,14 @@ struct job {
 /*
  * A job's outputs as byte ranges, for poisoning a failed enqueued job
  * (0xff bytes are NaN in f32, f16, bf16 and both FP8 formats).
- * job_outputs_all returns how many (at most JOB_MAX_OUTPUTS); job_outputs
- * the first 4 of them, in the order y, residual_out, amax, rstd, mean (a
- * LayerNorm forward with every output has 5: its mean is left out).
+ * Returns how many (at most JOB_MAX_OUTPUTS), in the order y, residual_out,
+ * amax, rstd, mean.
  */
 struct job_output {
 	void *ptr;
 	uint64_t bytes;
 };
-unsigned job_outputs_all(const struct job *job, struct job_output out[JOB_MAX_OUTPUTS]);
-unsigned job_outputs(const struct job *job, struct job_output out[4]);
+unsigned job_outputs(const struct job *job, struct job_output out[JOB_MAX_OUTPUTS]);
 
 /*
  * Checks everything a client controls in `msg` against `regions` and `cfg`
