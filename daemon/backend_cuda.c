@@ -428,6 +428,11 @@ static int autotune_job(struct cuda_worker *w, const struct nk_norm_args *job,
 static void device_pick_variant(struct cuda_device *dev, struct cuda_worker *w,
 				const struct nk_norm_args *args, struct nk_variant *v)
 {
+	/* Jobs with norm variants have one kernel, and the cache's key does not tell them apart. */
+	if (nk_norm_features(args)) {
+		nk_cuda_variant_default(args, &dev->info, v);
+		return;
+	}
 	if (variant_cache_lookup(dev->cache, args, v))
 		return;
 	nk_cuda_variant_default(args, &dev->info, v);
@@ -1214,6 +1219,7 @@ int backend_cuda_create(const struct config *cfg, struct backend **out)
 		.stream_close = cuda_stream_close,
 	};
 	cuda->autotune = cfg->autotune;
+	cuda->base.norm_features = NK_FEATURES_ALL; /* the fused family (kernels/norm_cuda_fused.cu) */
 	cuda->busy_poll_us = cfg->busy_poll_us;
 	cuda->base.poll_completions = cfg->busy_poll_us > 0;
 	cuda->devices = nc__calloc((size_t)count, sizeof(*cuda->devices));

@@ -696,7 +696,11 @@ static size_t workspace_of(const struct nk_norm_args *a, const struct nk_variant
 static bool elements_aligned(const struct nk_norm_args *a)
 {
 	uintptr_t ds = nk_dtype_size(a->dtype) - 1, ws = nk_dtype_size(a->weight_dtype) - 1;
-	return !(((uintptr_t)a->x | (uintptr_t)a->y | (uintptr_t)a->dy | (uintptr_t)a->dx) & ds) &&
+	uintptr_t ys = a->y_fp8 && !is_bwd(a) ? 0 : ds; /* an FP8 y is bytes */
+	return !(((uintptr_t)a->x | (uintptr_t)a->dy | (uintptr_t)a->dx |
+		  (uintptr_t)a->residual | (uintptr_t)a->residual_out | (uintptr_t)a->ds) &
+		 ds) &&
+	       !((uintptr_t)a->y & ys) && !(((uintptr_t)a->scale | (uintptr_t)a->amax) & 3) &&
 	       !(((uintptr_t)a->gamma | (uintptr_t)a->beta | (uintptr_t)a->dgamma |
 		  (uintptr_t)a->dbeta) &
 		 ws) &&
@@ -909,11 +913,25 @@ static bool fwd_default(const struct nk_norm_args *a, const struct nk_device_inf
 	return tiled_variant(a, dev, nv, 256, MAX_THREADS, false, v) && shape_of(v).K == 1;
 }
 
+/* The one variant of jobs that use a norm variant (residual, offset, FP8). */
+static void fused_variant(struct nk_variant *v)
+{
+	memset(v, 0, sizeof(*v));
+	v->family = NK_FAMILY_FUSED;
+	v->threads = 256;
+	v->rows_per_block = 1;
+	v->vec_elems = 1;
+}
+
 int nk_cuda_variant_default(const struct nk_norm_args *args, const struct nk_device_info *dev,
 			    struct nk_variant *out)
 {
 	if (!args || !dev || !out || nk_norm_check(args, NULL) != NK_OK)
 		return NK_EINVAL;
+	if (nk_norm_features(args)) {
+		fused_variant(out);
+		return NK_OK;
+	}
 	int nv = max_nv(args); /* fwd_default aside, the tiled defaults hold the most */
 	if (fwd_default(args, dev, out) || fp32_bwd_default(args, dev, out) ||
 	    tma_bwd_default(args, dev, out) || tma_narrow_default(args, dev, out))
@@ -1046,6 +1064,8 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 		return 0;
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
+	if (nk_norm_features(args))
+		return n;
 	n = add_tma_candidates(args, dev, out, n, max);
 	/*
 	 * Rows of more than 128 vectors: block_smem shapes first (callers keep
@@ -1089,6 +1109,10 @@ bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_devic
 {
 	if (!args || !dev || !variant || variant->reserved != 0)
 		return false;
+	if ((variant->family == NK_FAMILY_FUSED) != (nk_norm_features(args) != 0))
+		return false;
+	if (variant->family == NK_FAMILY_FUSED)
+		return true;
 	Shape s = shape_of(variant);
 	switch (variant->family) {
 	case NK_FAMILY_WARP_ROWS:
@@ -1107,8 +1131,8 @@ bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_devic
 
 void nk_variant_name(const struct nk_variant *variant, char *buf, size_t len)
 {
-	static const char *const names[] = {"none",	  "warp_rows", "block_row",
-					    "block_smem", "generic",   "tma_slice"};
+	static const char *const names[] = {"none",	  "warp_rows", "block_row", "block_smem",
+					    "generic",	  "tma_slice", "fused"};
 	if (!buf || len == 0)
 		return;
 	if (!variant) {
@@ -1135,6 +1159,8 @@ size_t nk_cuda_workspace_bytes(const struct nk_norm_args *args, const struct nk_
 {
 	if (!args || !dev || nk_norm_check(args, NULL) != NK_OK)
 		return 0;
+	if (nk_norm_features(args))
+		return nk_cuda_fused_workspace_bytes(args, dev);
 	struct nk_variant v = resolve(args, dev, variant);
 	return workspace_of(args, &v);
 }
@@ -1156,6 +1182,18 @@ int nk_cuda_norm(const struct nk_norm_args *args, const struct nk_device_info *d
 	if (!elements_aligned(args)) {
 		set_message("a tensor is not aligned to its element size");
 		return NK_EINVAL;
+	}
+	if (nk_norm_features(args)) {
+		size_t need = nk_cuda_fused_workspace_bytes(args, dev);
+		if (need > 0 && (exec->workspace_bytes < need || !exec->workspace ||
+				 !aligned16(exec->workspace))) {
+			set_message("workspace missing, too small or not 16-byte aligned");
+			return NK_EINVAL;
+		}
+		int rc = nk_cuda_fused_norm(args, dev, exec);
+		if (rc == NK_OK && ran)
+			fused_variant(ran);
+		return rc;
 	}
 	struct nk_variant v = resolve(args, dev, variant);
 	size_t need = workspace_of(args, &v);

@@ -282,7 +282,9 @@ enum nk_variant_family {
 	NK_FAMILY_GENERIC = 4,   /* any cols, any alignment: the fallback */
 	NK_FAMILY_TMA_SLICE = 5, /* backward, sm_90: a cluster a row, each block a
 				    column slice staged by TMA bulk copies */
-	NK_FAMILY_LAST = NK_FAMILY_TMA_SLICE,
+	NK_FAMILY_FUSED = 6,     /* the norm variants (residual, offset, FP8): every
+				    job that uses one, and only those */
+	NK_FAMILY_LAST = NK_FAMILY_FUSED,
 };
 
 /*
@@ -362,6 +364,12 @@ int nk_cuda_norm(const struct nk_norm_args *args, const struct nk_device_info *d
 
 /* The last CUDA error string seen by a launcher on this thread. */
 const char *nk_cuda_last_error(void);
+
+/* The fused family (kernels/norm_cuda_fused.cu), for nk_cuda_norm's jobs with variants. */
+size_t nk_cuda_fused_workspace_bytes(const struct nk_norm_args *args,
+				     const struct nk_device_info *dev);
+int nk_cuda_fused_norm(const struct nk_norm_args *args, const struct nk_device_info *dev,
+		       const struct nk_cuda_exec *exec);
 
 /* ---- output check on the device (normstress's enqueue mode) ------------- */
 
