@@ -84,6 +84,22 @@ int nk_cuda_pointer_info(const void *ptr, struct nk_cuda_pointer_info *out, cons
 	return 0;
 }
 
+int nk_cuda_pointer_buffer_id(const void *ptr, unsigned long long *buffer_id)
+{
+	pthread_once(&lookup_once, lookup_all);
+	if (!pointer_get_attributes)
+		return -1;
+	CUpointer_attribute attr = CU_POINTER_ATTRIBUTE_BUFFER_ID;
+	unsigned long long id = 0;
+	void *data[] = {&id};
+	/* A pointer CUDA does not know succeeds too, with the default id 0. */
+	if (pointer_get_attributes(1, &attr, data, (CUdeviceptr)(uintptr_t)ptr) != CUDA_SUCCESS ||
+	    id == 0)
+		return -1;
+	*buffer_id = id;
+	return 0;
+}
+
 int nk_cuda_allocation_size(const void *base, uint64_t *size, const char **why)
 {
 	pthread_once(&lookup_once, lookup_all);

@@ -28,6 +28,13 @@ struct nk_cuda_pointer_info {
  */
 int nk_cuda_pointer_info(const void *ptr, struct nk_cuda_pointer_info *out, const char **why);
 
+/*
+ * The buffer id alone of the allocation holding `ptr`: one attribute where
+ * nk_cuda_pointer_info asks for eight. Returns 0, or -1 when the driver is
+ * missing or does not know the pointer.
+ */
+int nk_cuda_pointer_buffer_id(const void *ptr, unsigned long long *buffer_id);
+
 /* The size of the allocation that starts at `base` (as opened by IPC); -1 on failure. */
 int nk_cuda_allocation_size(const void *base, uint64_t *size, const char **why);
 

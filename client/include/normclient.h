@@ -406,6 +406,24 @@ NC_API int nc_job_enqueue(nc_conn *conn, const struct nc_job *job, void *stream)
 NC_API int nc_job_enqueue_ext(nc_conn *conn, const struct nc_job *job,
 			      const struct nc_job_ext *ext, void *stream);
 
+/* The tensor fields of struct nc_job, in order: x, y, mean, rstd, gamma, beta, dy,
+ * dx, dgamma, dbeta, main_grad. */
+#define NC_JOB_TENSORS 11
+
+/*
+ * nc_job_enqueue() of a job whose tensors are CUDA device pointers, in one
+ * call: ptrs[i] names the tensor of the i-th field of struct nc_job in the
+ * order of NC_JOB_TENSORS (x first, main_grad last) and is resolved as
+ * nc_tensor_device() resolves it (its allocation registered on first use);
+ * a NULL entry keeps the tensor `job` has there (region 0: absent). `job`
+ * itself is not changed. For callers that pay per call, such as a binding
+ * from an interpreter. Errors: those of nc_tensor_device(), the message
+ * naming the tensor ("tensor gamma: ..."), then those of nc_job_enqueue();
+ * nothing is queued when a pointer cannot be resolved. Any thread.
+ */
+NC_API int nc_job_enqueue_device(nc_conn *conn, const struct nc_job *job,
+				 const void *const ptrs[NC_JOB_TENSORS], void *stream);
+
 /*
  * Waits at most `timeout_ms` (< 0: no limit) until the daemon has answered
  * every job enqueued so far on `conn` and returns the first asynchronous

@@ -1,7 +1,8 @@
 /*
  * Device memory (CUDA backend): registering a cudaMalloc allocation through
  * a CUDA IPC handle, the per-connection cache that registers allocations on
- * first use, and running a job in order with a caller's stream.
+ * first use, enqueueing a job named by device pointers, and running a job in
+ * order with a caller's stream.
  *
  * The allocation is found from any pointer inside it with the driver's
  * pointer attributes (reached through the runtime, never by linking
@@ -18,6 +19,7 @@
 #include "client/lib/internal.h"
 #include "kernels/cuda_driver.h"
 #include "proto/frame.h"
+#include "proto/job_roles.h"
 
 static int device_region_register(nc_conn *conn, const struct nk_cuda_pointer_info *info,
 				  nc_region **out)
@@ -131,6 +133,24 @@ static void device_sweep_stale(nc_conn *conn)
 	}
 }
 
+/* The tensor at `ptr` in the lazily registered region of allocation `buffer_id`, if any. */
+static bool lazy_tensor_lookup(nc_conn *conn, unsigned long long buffer_id, const void *ptr,
+			       struct nc_tensor *out)
+{
+	bool found = false;
+	pthread_mutex_lock(&conn->lock);
+	for (nc_region *r = conn->regions; r; r = r->next) {
+		if (r->lazy && r->buffer_id == buffer_id) {
+			out->region = r->id;
+			out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)r->data);
+			found = true;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&conn->lock);
+	return found;
+}
+
 NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *out)
 {
 	if (!conn || !out)
@@ -139,30 +159,66 @@ NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *ou
 		out->region = out->offset = 0;
 		return 0;
 	}
+	/*
+	 * A registered allocation is known by its buffer id alone, the cheapest
+	 * query: what the full one checks (device memory, exportable) was
+	 * checked when it was registered, and an id is never reused.
+	 */
+	unsigned long long buffer_id;
+	if (nk_cuda_pointer_buffer_id(ptr, &buffer_id) == 0 &&
+	    lazy_tensor_lookup(conn, buffer_id, ptr, out))
+		return 0;
 	struct nk_cuda_pointer_info info;
 	int rc = device_pointer_info(ptr, &info);
 	if (rc)
 		return rc;
-	nc_region *found = NULL;
-	pthread_mutex_lock(&conn->lock);
-	for (nc_region *r = conn->regions; r; r = r->next) {
-		if (r->lazy && r->buffer_id == info.buffer_id) {
-			found = r;
-			break;
-		}
-	}
-	pthread_mutex_unlock(&conn->lock);
-	if (!found) {
-		device_sweep_stale(conn);
-		rc = device_region_register(conn, &info, &found);
-		if (rc)
-			return rc;
-		found->lazy = true;
-		nc__region_track(found);
-	}
-	out->region = found->id;
+	if (lazy_tensor_lookup(conn, info.buffer_id, ptr, out))
+		return 0;
+	device_sweep_stale(conn);
+	nc_region *region;
+	rc = device_region_register(conn, &info, &region);
+	if (rc)
+		return rc;
+	region->lazy = true;
+	nc__region_track(region);
+	out->region = region->id;
 	out->offset = (uint64_t)((uintptr_t)ptr - info.base);
 	return 0;
+}
+
+/* The tensor fields of a job in role order (proto/job_roles.h), for nc_job_enqueue_device. */
+static void job_tensor_fields(struct nc_job *job, struct nc_tensor *fields[NC_JOB_TENSORS])
+{
+	_Static_assert(NC__ROLE_MAIN_GRAD == NC_JOB_TENSORS - 1,
+		       "struct nc_job's tensors are the first roles of the table, in order");
+	struct nc_tensor *in_order[NC_JOB_TENSORS] = {
+		&job->x,  &job->y,  &job->mean,   &job->rstd,  &job->gamma,     &job->beta,
+		&job->dy, &job->dx, &job->dgamma, &job->dbeta, &job->main_grad,
+	};
+	memcpy(fields, in_order, sizeof(in_order));
+}
+
+NC_API int nc_job_enqueue_device(nc_conn *conn, const struct nc_job *job,
+				 const void *const ptrs[NC_JOB_TENSORS], void *stream)
+{
+	if (!conn || !job || !ptrs)
+		return nc__fail(NC_EINVALID_ARGUMENT, "conn, job and ptrs must not be NULL");
+	struct nc_job resolved = *job;
+	struct nc_tensor *fields[NC_JOB_TENSORS];
+	job_tensor_fields(&resolved, fields);
+	for (int i = 0; i < NC_JOB_TENSORS; i++) {
+		if (!ptrs[i])
+			continue;
+		int rc = nc_tensor_device(conn, ptrs[i], fields[i]);
+		if (rc) {
+			/* The message says which tensor; nc_last_error() is rewritten below. */
+			char why[192];
+			snprintf(why, sizeof(why), "%s", nc_last_error());
+			return nc__fail(rc, "tensor %s: %s",
+					nc__job_role_name((enum nc__job_role)i), why);
+		}
+	}
+	return nc_job_enqueue(conn, &resolved, stream);
 }
 
 NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *stream,

@@ -15,7 +15,9 @@
  *   6. the daemon SIGKILLed mid-chain: the caller's stream is released within
  *      a second and the connection reports NC_EDISCONNECTED;
  *   7. a client SIGKILLed with work enqueued: the daemon's device memory
- *      comes back and the other clients keep working.
+ *      comes back and the other clients keep working;
+ *   8. nc_job_enqueue_device: jobs named by device pointers, and pool
+ *      memory refused with the tensor named.
  *
  * Every CUDA call happens in a child process (a process that has touched
  * CUDA cannot fork children that use it); the processes that coordinate
@@ -932,6 +934,111 @@ static int killed_client_test(void *arg)
 	return 0;
 }
 
+/* ---- 8. jobs named by device pointers ------------------------------------------------------ */
+
+/* The device pointers of a kit's tensors, in NC_JOB_TENSORS order (NULL where absent). */
+static void kit_pointers(const struct jobkit *kit, const void *ptrs[NC_JOB_TENSORS])
+{
+	const struct nc_job *j = &kit->job;
+	const struct nc_tensor t[NC_JOB_TENSORS] = {j->x,  j->y,  j->mean,   j->rstd,  j->gamma,
+						    j->beta, j->dy, j->dx, j->dgamma, j->dbeta,
+						    j->main_grad};
+	for (int i = 0; i < NC_JOB_TENSORS; i++)
+		ptrs[i] = t[i].region ? (const char *)kit->device_base + t[i].offset : NULL;
+}
+
+/*
+ * One kit's job enqueued `times` times by its device pointers alone (the
+ * job's own tensors absent), then checked against the reference. Returns
+ * the number of failures; *base is the kit's allocation.
+ */
+static int enqueue_kit_by_pointers(nc_conn *conn, cudaStream_t stream,
+				   const struct jobkit_spec *spec, int times, void **base)
+{
+	struct jobkit kit;
+	if (jobkit_create(conn, spec, &kit) != 0) {
+		fprintf(stderr, "  kit: %s\n", nc_last_error());
+		return 1;
+	}
+	*base = kit.device_base;
+	const void *ptrs[NC_JOB_TENSORS];
+	kit_pointers(&kit, ptrs);
+	struct nc_job job = kit.job;
+	const struct nc_tensor none = {0, 0};
+	job.x = job.y = job.mean = job.rstd = job.gamma = job.beta = none;
+	job.dy = job.dx = job.dgamma = job.dbeta = job.main_grad = none;
+	int bad = 0;
+	for (int i = 0; i < times; i++) {
+		int rc = nc_job_enqueue_device(conn, &job, ptrs, stream);
+		if (rc != NC_OK) {
+			fprintf(stderr, "  %s: %s\n", nc_status_name(rc), nc_last_error());
+			bad++;
+		}
+	}
+	if (cudaStreamSynchronize(stream) != cudaSuccess || nc_conn_check(conn, 30000) != NC_OK) {
+		fprintf(stderr, "  synchronize / check: %s\n", nc_last_error());
+		bad++;
+	}
+	struct jobkit_report rep = {0};
+	if (!jobkit_check(&kit, &rep)) {
+		fprintf(stderr, "  %s: %s\n", jobkit_op_name(spec->op), rep.detail);
+		bad++;
+	}
+	jobkit_destroy(&kit);
+	return bad;
+}
+
+/*
+ * nc_job_enqueue_device: every op from device pointers alone, twice each
+ * (the second time through the registration the first made), against the
+ * reference; kits of one size made one after the other, each freed before
+ * the next (cudaMalloc then often hands out the same address again: the
+ * registration of the freed allocation must not serve the new one); memory
+ * CUDA IPC cannot export (cudaMallocAsync) is refused with the tensor named
+ * and nothing queued.
+ */
+static int enqueue_device_test(void *arg)
+{
+	(void)arg;
+	nc_conn *conn = connect_daemon("enqueue-device");
+	CHECK(conn, "no connection");
+	cudaStream_t stream;
+	CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess, "stream");
+	int bad = 0;
+	void *base = NULL, *previous = NULL;
+	for (int op = NC_LAYERNORM_FWD; op <= NC_RMSNORM_BWD; op++) {
+		struct jobkit_spec spec = {.op = (enum nc_op)op, .rows = 7, .cols = 1000,
+					   .dtype = NC_BF16, .gamma = true, .beta = true,
+					   .seed = 40 + (uint64_t)op, .on_device = true};
+		bad += enqueue_kit_by_pointers(conn, stream, &spec, 2, &base);
+	}
+	int reused = 0;
+	for (int i = 0; i < 4; i++) {
+		struct jobkit_spec spec = {.op = NC_RMSNORM_FWD, .rows = 9, .cols = 2048,
+					   .dtype = NC_F32, .gamma = true, .seed = 60 + (uint64_t)i,
+					   .on_device = true};
+		bad += enqueue_kit_by_pointers(conn, stream, &spec, 1, &base);
+		reused += i > 0 && base == previous;
+		previous = base;
+	}
+	printf("  4 allocations of one size in turn: the address came back %d times\n", reused);
+	void *pooled = NULL;
+	CHECK(cudaMallocAsync(&pooled, 1 << 16, stream) == cudaSuccess, "cudaMallocAsync");
+	CHECK(cudaStreamSynchronize(stream) == cudaSuccess, "synchronize");
+	struct nc_job job = {.op = NC_RMSNORM_FWD, .rows = 4, .cols = 64, .dtype = NC_F32};
+	const void *ptrs[NC_JOB_TENSORS] = {pooled, (char *)pooled + 4096};
+	int rc = nc_job_enqueue_device(conn, &job, ptrs, stream);
+	CHECK(rc == NC_EUNSUPPORTED, "pool memory gave %s", nc_status_name(rc));
+	CHECK(strncmp(nc_last_error(), "tensor x: ", 10) == 0, "message: %s", nc_last_error());
+	CHECK(nc_conn_check(conn, 1000) == NC_OK, "something was queued: %s", nc_last_error());
+	cudaFreeAsync(pooled, stream);
+	cudaStreamSynchronize(stream);
+	cudaStreamDestroy(stream);
+	nc_close(conn);
+	CHECK(bad == 0, "%d jobs wrong", bad);
+	return 0;
+}
+
 int main(void)
 {
 	if (test_daemon_start_on(&daemon_, "0", NULL) != 0) {
@@ -948,6 +1055,8 @@ int main(void)
 	report("daemon SIGKILL releases the stream", in_child_timed(daemon_killed_test, NULL, 180));
 	report("client SIGKILL: memory back, others work",
 	       in_child_timed(killed_client_test, NULL, 300));
+	report("jobs named by device pointers (nc_job_enqueue_device)",
+	       in_child_timed(enqueue_device_test, NULL, 120));
 	bool alive = test_daemon_alive(&daemon_);
 	if (gpu_tests_failed || !alive)
 		test_daemon_dump_log(&daemon_);

@@ -3,6 +3,7 @@
  * paths as on the GPU, with host semaphore words. Checked here: every op
  * against the float64 reference; a dependent chain on one key runs in
  * order; errors the library can see are synchronous and queue nothing;
+ * nc_job_enqueue_device with its pointers absent or unknown to CUDA;
  * an error only the daemon sees releases the key (done written, outputs
  * poisoned) and comes back from the next call; the daemon pauses instead of
  * refusing at max_jobs_in_flight; a silent client (a raw one that never
@@ -179,6 +180,37 @@ static void test_local_errors_are_synchronous(void **state)
 	assert_int_equal(nc_conn_check(conn, 1000), NC_OK);
 	assert_int_equal(nc_job_enqueue(conn, &kit.job, NULL), NC_OK);
 	assert_int_equal(nc_stream_wait(conn, NULL, 10000), NC_OK);
+	struct jobkit_report report;
+	assert_true(jobkit_check(&kit, &report));
+	jobkit_destroy(&kit);
+	nc_close(conn);
+}
+
+/*
+ * nc_job_enqueue_device on the CPU backend: NULL pointers keep the job's own
+ * (host) tensors, so the job runs as nc_job_enqueue's would; a pointer the
+ * CUDA driver does not know (here a host address, and no driver at all) is
+ * refused with the tensor's role in the message, and nothing is queued.
+ */
+static void test_enqueue_device_pointers(void **state)
+{
+	(void)state;
+	nc_conn *conn = connect_or_fail(group_daemon.socket);
+	struct jobkit kit;
+	struct jobkit_spec spec = {.op = NC_RMSNORM_FWD, .rows = 3, .cols = 40,
+				   .dtype = NC_F32, .gamma = true, .seed = 11};
+	assert_int_equal(jobkit_create(conn, &spec, &kit), NC_OK);
+	const void *none[NC_JOB_TENSORS] = {NULL};
+	assert_int_equal(nc_job_enqueue_device(NULL, &kit.job, none, NULL), NC_EINVALID_ARGUMENT);
+	assert_int_equal(nc_job_enqueue_device(conn, NULL, none, NULL), NC_EINVALID_ARGUMENT);
+	assert_int_equal(nc_job_enqueue_device(conn, &kit.job, NULL, NULL), NC_EINVALID_ARGUMENT);
+	const void *host[NC_JOB_TENSORS] = {NULL};
+	host[4] = nc_region_data(kit.region); /* gamma */
+	assert_int_equal(nc_job_enqueue_device(conn, &kit.job, host, NULL), NC_EINVALID_ARGUMENT);
+	assert_non_null(strstr(nc_last_error(), "tensor gamma: "));
+	assert_int_equal(nc_conn_check(conn, 1000), NC_OK); /* nothing was sent */
+	assert_int_equal(nc_job_enqueue_device(conn, &kit.job, none, (void *)5), NC_OK);
+	assert_int_equal(nc_stream_wait(conn, (void *)5, 10000), NC_OK);
 	struct jobkit_report report;
 	assert_true(jobkit_check(&kit, &report));
 	jobkit_destroy(&kit);
@@ -441,6 +473,7 @@ int main(void)
 		cmocka_unit_test(test_every_op_matches_reference),
 		cmocka_unit_test(test_dependent_chain_runs_in_order),
 		cmocka_unit_test(test_local_errors_are_synchronous),
+		cmocka_unit_test(test_enqueue_device_pointers),
 		cmocka_unit_test(test_daemon_error_is_asynchronous),
 		cmocka_unit_test(test_limit_pauses_instead_of_refusing),
 		cmocka_unit_test(test_silent_client_stalls_only_itself),
