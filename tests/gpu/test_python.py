@@ -24,7 +24,7 @@ Checks (tests/python/torch_checks.py holds the shared ones):
 - ordering with the current stream (a side stream with pending work);
 - the completion modes: the enqueue mode is the default (FusedLayerNorm and
   FusedRMSNorm forward and backward against torch's own, the calls going
-  through Client.enqueue_job and none through run_job, the daemon's
+  through the client's enqueue calls and none through run_job, the daemon's
   jobs_ok counter moving by one per job, a dependent chain queued without
   synchronizing, the call returning before work queued ahead of it on the
   stream finished); the sync mode (normd.set_completion_mode and
@@ -34,6 +34,8 @@ Checks (tests/python/torch_checks.py holds the shared ones):
   with CUDA tensors and WGRAD_ACCUM refused (UNSUPPORTED);
 - Client.run with CUDA tensors (RMSNORM_FWD, WGRAD_ACCUM);
 - one registration per caching-allocator segment;
+- jobs follow memory that changes between calls: another storage, segments
+  freed by empty_cache and allocated again, another stream;
 - a small transformer trained 200 steps with normd's norms and with
   torch's (memory_efficient off and on): loss curves within 1%;
 - PyTorch's expandable segments give NormdError UNSUPPORTED (last: it
@@ -119,7 +121,11 @@ def check_stream_ordering():
 
 
 class CallCounter:
-    """Counts the client's enqueue_job and run_job calls (and run_job's event=True ones)."""
+    """Counts the client's enqueued jobs and run_job calls (and run_job's event=True ones).
+
+    A job is enqueued through enqueue_job, or through _enqueue_device (what
+    normd.normalization uses: nc_job_enqueue_device).
+    """
 
     def __init__(self, client):
         self.client = client
@@ -127,10 +133,15 @@ class CallCounter:
 
     def __enter__(self):
         enqueue_job, run_job = self.client.enqueue_job, self.client.run_job
+        enqueue_device = self.client._enqueue_device
 
         def counted_enqueue(*args, **kwargs):
             self.enqueued += 1
             return enqueue_job(*args, **kwargs)
+
+        def counted_enqueue_device(*args, **kwargs):
+            self.enqueued += 1
+            return enqueue_device(*args, **kwargs)
 
         def counted_run(*args, **kwargs):
             self.ran += 1
@@ -138,10 +149,12 @@ class CallCounter:
             return run_job(*args, **kwargs)
 
         self.client.enqueue_job, self.client.run_job = counted_enqueue, counted_run
+        self.client._enqueue_device = counted_enqueue_device
         return self
 
     def __exit__(self, *exc):
-        del self.client.enqueue_job, self.client.run_job  # back to the class's methods
+        # Back to the class's methods.
+        del self.client.enqueue_job, self.client.run_job, self.client._enqueue_device
 
 
 def wait_jobs_ok(client, target, timeout=5.0):
@@ -332,6 +345,48 @@ def check_registration_cache(client):
     assert 0 < after < client.server_info["max_regions"]
 
 
+def check_memory_changes(client):
+    """Jobs follow the memory as it changes between calls (enqueue mode, nothing stale).
+
+    The same tensor object given another storage; the caching allocator's
+    free segments given back (empty_cache) and memory allocated again, maybe
+    at the same addresses, which the library must then register anew;
+    another stream; the weight moved to another allocation. Each output
+    against torch's.
+    """
+    module = N.FusedRMSNorm(1024, eps=1e-5, client=client).to(DEVICE)
+    x = torch.randn(64, 1024, device=DEVICE)
+
+    def expect(label, stream=None):
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            y = module(x)
+            ref = checks.torch_reference(True, x.double(), (1024,), module.weight.double(),
+                                         None, 1e-5)
+        torch.cuda.synchronize()
+        client.check()
+        checks.expect_close(label, y, ref, checks.TOL[torch.float32])
+
+    expect("first call")
+    x.data = torch.randn(64, 1024, device=DEVICE) * 3  # the same tensor, another storage
+    expect("another storage")
+    regions = client.stats()["regions"]
+    module.cpu()
+    x = x.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the free segments back to the driver
+    module.to(DEVICE)
+    with torch.no_grad():
+        module.weight.uniform_(0.5, 1.5)
+    x = x.to(DEVICE) + 1
+    expect("after empty_cache")
+    expect("another stream", torch.cuda.Stream())
+    with torch.no_grad():
+        module.weight.data = module.weight.data.clone() * 2
+    expect("weight in another allocation")
+    print("      regions for this client: %d before empty_cache, %d after"
+          % (regions, client.stats()["regions"]))
+
+
 def check_raw_client(client):
     """Client.run with CUDA torch tensors: dtypes inferred, the current stream used."""
     x = torch.randn(32, 512, device=DEVICE, dtype=torch.bfloat16) * 3
@@ -471,6 +526,7 @@ def main(argv):
             normd.set_completion_mode(old_mode)
         runner.run("Client.run with CUDA tensors", check_raw_client, client)
         runner.run("registration cache", check_registration_cache, client)
+        runner.run("memory changing between calls", check_memory_changes, client)
         runner.run("server info and variants", check_server, client)
         runner.run("training (memory_efficient off)", check_training_run, client, False)
         runner.run("training (memory_efficient on)", check_training_run, client, True)

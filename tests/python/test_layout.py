@@ -35,7 +35,7 @@ def _probe_source():
     constants.update(NC_OK=0, NC_MEMORY_EFFICIENT=_lib.MEMORY_EFFICIENT,
                      NC_ACCUMULATE=_lib.ACCUMULATE, NC_OVERWRITE=_lib.OVERWRITE,
                      NC_STATS_OPS=_lib.STATS_OPS, NC_STATS_DEVICES=_lib.STATS_DEVICES,
-                     NC_LATENCY_BUCKETS=_lib.LATENCY_BUCKETS)
+                     NC_LATENCY_BUCKETS=_lib.LATENCY_BUCKETS, NC_JOB_TENSORS=_lib.JOB_TENSORS)
     for name in constants:
         lines.append('printf("const %s %%lld\\n", (long long)(%s));' % (name, name))
     lines += ["return 0;", "}"]

@@ -25,6 +25,7 @@ import ctypes
 import ctypes.util
 import enum
 import os
+import struct
 import threading
 from pathlib import Path
 
@@ -120,6 +121,13 @@ class NcJob(ctypes.Structure):
 #: The tensor fields of struct nc_job, in declaration order.
 TENSOR_ROLES = ("x", "y", "mean", "rstd", "gamma", "beta", "dy", "dx", "dgamma", "dbeta",
                 "main_grad")
+
+#: NC_JOB_TENSORS: one device pointer per role for nc_job_enqueue_device.
+JOB_TENSORS = len(TENSOR_ROLES)
+
+#: pack_device_pointers(x, y, ..., main_grad) -> the bytes of nc_job_enqueue_device's
+#: `const void *ptrs[NC_JOB_TENSORS]` (ints, 0 for NULL): cheaper than a ctypes array.
+pack_device_pointers = struct.Struct("@%dP" % JOB_TENSORS).pack
 
 
 class NcJobResult(ctypes.Structure):
@@ -280,6 +288,8 @@ _PROTOTYPES = {
                                   ctypes.POINTER(NcJobResult)]),
     # The enqueue mode (docs/ENQUEUE.md).
     "nc_job_enqueue": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _c_void_p]),
+    # ptrs: the bytes of pack_device_pointers (or a ctypes array of c_void_p).
+    "nc_job_enqueue_device": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _c_void_p, _c_void_p]),
     "nc_conn_check": (_c_int, [_c_void_p, _c_int]),
     "nc_stream_wait": (_c_int, [_c_void_p, _c_void_p, _c_int]),
     "nc_stats_get": (_c_int, [_c_void_p, _c_int, ctypes.POINTER(NcStats)]),

@@ -202,6 +202,7 @@ class Client:
         check(self._lib.nc_connect(os.fsencode(self.socket), name.encode(), self.timeout_ms,
                                    ctypes.byref(handle)))
         self._conn = _Conn(self._lib, handle.value)
+        self._enqueue_device_call = self._lib.nc_job_enqueue_device
         self._finalizer = weakref.finalize(self, self._conn.close)
         # torch.library ops take plain arguments: they name their client by this key.
         self._key = next(_client_keys)
@@ -559,6 +560,28 @@ class Client:
         check(self._lib.nc_job_enqueue(self._handle(), ctypes.byref(job),
                                        ctypes.c_void_p(int(stream or 0))))
 
+    def _enqueue_device(self, job, ptrs, stream):
+        """Enqueues `job` with CUDA tensors given as device pointers, in one library call.
+
+        ptrs: _lib.pack_device_pointers() of one device pointer per role of
+        _lib.TENSOR_ROLES, in that order (0: the job's own tensor there,
+        usually absent); stream: a cudaStream_t as an int. For
+        normd.normalization, whose callers have checked the tensors' dtypes,
+        sizes, contiguity and devices; the library checks regions and bounds
+        (nc_job_enqueue_device). Errors as enqueue()'s.
+        """
+        conn = self._conn
+        handle = conn.handle
+        if handle is None or conn.pid != os.getpid():
+            handle = conn.checked_handle()  # raises the closed / forked-child error
+        rc = self._enqueue_device_call(handle, job, ptrs, stream)
+        if rc:
+            message = _lib.text(self._lib.nc_last_error())
+            # The library names a tensor it could not register: "tensor x: pointer ...".
+            if rc == _UNSUPPORTED and message.startswith("tensor "):
+                message += _EXPANDABLE_HINT
+            raise NormdError(rc, message)
+
     def check(self, timeout_ms=None):
         """Collects the enqueue mode's asynchronous errors (nc_conn_check).
 
@@ -598,6 +621,30 @@ class Client:
         return PendingJob(self, request_id.value, keep)
 
 
+_UNSUPPORTED = _lib.STATUS_CODES["UNSUPPORTED"]
+
+# Jobs without tensors by their fields; read-only once made, so threads share them.
+_norm_jobs = {}
+_NORM_JOBS_MAX = 1024
+
+
+def norm_job(op, rows, cols, eps, dtype, weight_dtype, flags):
+    """A struct nc_job of a LayerNorm/RMSNorm op without tensors, made once per shape.
+
+    All arguments are plain ints (eps a float, 0 for the daemon's default).
+    The job must not be changed: calls with the same arguments share it.
+    """
+    key = (op, rows, cols, eps, dtype, weight_dtype, flags)
+    job = _norm_jobs.get(key)
+    if job is None:
+        if len(_norm_jobs) >= _NORM_JOBS_MAX:
+            _norm_jobs.clear()  # many shapes (dynamic batch sizes): start over
+        job = _lib.NcJob(op=op, rows=rows, cols=cols, eps=eps, dtype=dtype,
+                         weight_dtype=weight_dtype, flags=flags)
+        _norm_jobs[key] = job
+    return job
+
+
 def _current_stream_of(objects):
     """torch's current stream (as an int) for the first CUDA tensor among objects, or None."""
     for obj in objects:
@@ -617,6 +664,19 @@ def latency_quantile_us(buckets, quantile):
 # ---- the completion mode of normd.normalization --------------------------------------
 
 _completion = None  # set_completion_mode()'s choice; None: $NORMD_COMPLETION
+
+# os.environ.get costs a key encoding and a value decoding at every call: the
+# variable is read from os.environ's own storage (the same values) and parsed
+# again only when that value object changes.
+_environ_store = getattr(os.environ, "_data", None)
+if isinstance(_environ_store, dict) and hasattr(os.environ, "encodekey") and \
+        hasattr(os.environ, "decodevalue"):
+    _COMPLETION_KEY = os.environ.encodekey("NORMD_COMPLETION")
+    _environ_raw, _environ_text = _environ_store.get, os.environ.decodevalue
+else:
+    _COMPLETION_KEY = "NORMD_COMPLETION"
+    _environ_raw, _environ_text = os.environ.get, str
+_completion_env = (None, DEFAULT_COMPLETION)  # (the value last parsed, its mode)
 
 
 def _checked_mode(mode, what):
@@ -645,8 +705,15 @@ def completion_mode():
     """
     if _completion is not None:
         return _completion
-    env = os.environ.get("NORMD_COMPLETION", "").strip()
-    return _checked_mode(env, "NORMD_COMPLETION") if env else DEFAULT_COMPLETION
+    global _completion_env
+    raw = _environ_raw(_COMPLETION_KEY)
+    seen, mode = _completion_env
+    if raw is seen:
+        return mode
+    env = "" if raw is None else _environ_text(raw).strip()
+    mode = _checked_mode(env, "NORMD_COMPLETION") if env else DEFAULT_COMPLETION
+    _completion_env = (raw, mode)
+    return mode
 
 
 def set_completion_mode(mode):
@@ -693,6 +760,10 @@ def default_client():
     child gets a fresh connection of its own. normd.normalization uses it.
     """
     global _default
+    client = _default
+    if client is not None and client._conn.handle is not None and \
+            client._conn.pid == os.getpid():
+        return client  # the common case, without the lock
     with _default_lock:
         if _default is None or _default.closed or _default._conn.pid != os.getpid():
             _default = Client(name="python-default:%d" % os.getpid())

@@ -46,8 +46,8 @@ import torch
 from torch import Tensor
 
 from ..client import client_by_key
-from .fused_layer_norm import (_backward, _check_param, _forward, _normalized_shape, _plan,
-                               _rows_cols)
+from .fused_layer_norm import (_backward, _check_backward_inputs, _check_param, _forward,
+                               _normalized_shape, _plan, _rows_cols)
 
 #: torch.library.custom_op with register_autograd: PyTorch 2.4 and later.
 AVAILABLE = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_autograd")
@@ -104,16 +104,16 @@ def _no_grad_placeholder(invvar):
 def _layer_norm_fwd(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                     normalized_shape: Sequence[int], eps: float, mixed: bool,
                     memory_efficient: bool, client: int) -> Tuple[Tensor, Tensor, Tensor]:
-    y, mean, invvar, _, _ = _forward(client_by_key(client), False, input, weight, bias,
-                                     _normalized_shape(normalized_shape), eps, mixed)
+    y, mean, invvar = _forward(client_by_key(client), False, input, weight, bias,
+                               _normalized_shape(normalized_shape), eps, mixed)[:3]
     return y, mean, invvar
 
 
 def _rms_norm_fwd(input: Tensor, weight: Optional[Tensor], normalized_shape: Sequence[int],
                   eps: float, mixed: bool, memory_efficient: bool,
                   client: int) -> Tuple[Tensor, Tensor]:
-    y, _, invvar, _, _ = _forward(client_by_key(client), True, input, weight, None,
-                                  _normalized_shape(normalized_shape), eps, mixed)
+    y, _, invvar = _forward(client_by_key(client), True, input, weight, None,
+                            _normalized_shape(normalized_shape), eps, mixed)[:3]
     return y, invvar
 
 
@@ -124,6 +124,7 @@ def _layer_norm_bwd(grad_output: Tensor, saved: Tensor, weight: Optional[Tensor]
                     bias_grad: bool, client: int) -> Tuple[Tensor, Tensor, Tensor]:
     args = _BackwardArgs(client, normalized_shape, eps, mixed, memory_efficient, input_dtype,
                          weight, bias, weight_grad, bias_grad)
+    _check_backward_inputs(saved, grad_output, mean, invvar, weight, bias, args.normalized_shape)
     dx, dgamma, dbeta = _backward(args, False, grad_output, saved.contiguous(),
                                   _contiguous(weight), _contiguous(bias), mean, invvar)
     return (dx, _no_grad_placeholder(invvar) if dgamma is None else dgamma,
@@ -136,6 +137,7 @@ def _rms_norm_bwd(grad_output: Tensor, saved: Tensor, weight: Optional[Tensor], 
                   client: int) -> Tuple[Tensor, Tensor]:
     args = _BackwardArgs(client, normalized_shape, eps, mixed, memory_efficient, input_dtype,
                          weight, None, weight_grad, False)
+    _check_backward_inputs(saved, grad_output, None, invvar, weight, None, args.normalized_shape)
     dx, dgamma, _ = _backward(args, True, grad_output, saved.contiguous(), _contiguous(weight),
                               None, None, invvar)
     return dx, _no_grad_placeholder(invvar) if dgamma is None else dgamma

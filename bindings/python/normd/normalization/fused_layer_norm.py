@@ -61,8 +61,8 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from torch.nn import init
 
-from .._lib import STATUS_CODES, DType, Op
-from ..client import completion_mode, default_client
+from .._lib import MEMORY_EFFICIENT, STATUS_CODES, TENSOR_ROLES, DType, Op, pack_device_pointers
+from ..client import completion_mode, default_client, norm_job
 from ..errors import NormdError
 
 __all__ = [
@@ -76,9 +76,17 @@ __all__ = [
 
 _DTYPES = {torch.float32: DType.F32, torch.float16: DType.F16, torch.bfloat16: DType.BF16}
 
+# Plain ints for the per-call path: hashing an IntEnum member costs more than an int's.
+_DTYPE_CODES = {t: int(d) for t, d in _DTYPES.items()}
+_LN_FWD, _LN_BWD = int(Op.LAYERNORM_FWD), int(Op.LAYERNORM_BWD)
+_RMS_FWD, _RMS_BWD = int(Op.RMSNORM_FWD), int(Op.RMSNORM_BWD)
+
+#: The norm ops' tensor roles, in struct nc_job's order: a job's tensors travel as such tuples.
+_ROLES = TENSOR_ROLES[:10]
+
 #: Roles the daemon writes, by op (copied back in the staged CPU mode).
-_OUTPUTS = {Op.LAYERNORM_FWD: ("y", "mean", "rstd"), Op.RMSNORM_FWD: ("y", "rstd"),
-            Op.LAYERNORM_BWD: ("dx", "dgamma", "dbeta"), Op.RMSNORM_BWD: ("dx", "dgamma")}
+_OUTPUTS = {_LN_FWD: ("y", "mean", "rstd"), _RMS_FWD: ("y", "rstd"),
+            _LN_BWD: ("dx", "dgamma", "dbeta"), _RMS_BWD: ("dx", "dgamma")}
 
 _STAGE_ALIGN = 64
 _STAGE_KEY = 0  # the CPU backend's order key of staged jobs in the enqueue mode
@@ -94,14 +102,19 @@ _CAPTURE_MESSAGE = (
 # ---- when the daemon computes ---------------------------------------------------
 
 
-def _scripting():
-    return torch.jit.is_scripting() or torch.jit.is_tracing()
+# torch.jit.is_tracing() without its Python wrapper (the same answer outside TorchScript).
+_is_tracing = getattr(torch._C, "_is_tracing", None) or torch.jit.is_tracing
+
+# True while torch.compile / torch.export traces the caller.
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 
 
-def _dynamo_compiling():
-    """True while torch.compile / torch.export traces the caller."""
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler and getattr(compiler, "is_compiling", None) and compiler.is_compiling())
+# The CUDA queries of each job, without the Python wrappers of torch.cuda
+# (is_current_stream_capturing, current_stream(device).cuda_stream).
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or \
+    torch.cuda.is_current_stream_capturing
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+    (lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 def _staged_cpu():
@@ -115,32 +128,79 @@ def _daemon_input(input):
     return input.is_cuda or (input.device.type == "cpu" and _staged_cpu())
 
 
+# normalized_shape values seen (tuples, torch.Size) -> their tuple of ints.
+_shapes = {}
+_SHAPES_MAX = 256
+
+
 def _normalized_shape(normalized_shape):
     if isinstance(normalized_shape, numbers.Integral):
         return (int(normalized_shape),)
     return tuple(int(d) for d in normalized_shape)
 
 
+def _cached_normalized_shape(normalized_shape):
+    """_normalized_shape(), remembered for the tuples (torch.Size) of eager calls."""
+    try:
+        return _shapes[normalized_shape]
+    except (KeyError, TypeError):  # new, or unhashable (a list)
+        pass
+    shape = _normalized_shape(normalized_shape)
+    if isinstance(normalized_shape, tuple):
+        if len(_shapes) >= _SHAPES_MAX:
+            _shapes.clear()
+        _shapes[normalized_shape] = shape
+    return shape
+
+
 def _rows_cols(input, shape):
     """(rows, cols) of input's [rows, cols] view over the normalized dimensions."""
     n = len(shape)
-    if n == 0 or input.dim() < n or tuple(input.shape[input.dim() - n:]) != shape:
+    dims = input.shape
+    if n == 1:  # the common case, without slicing the shape
+        matches = len(dims) != 0 and dims[-1] == shape[0]
+    else:
+        matches = n != 0 and len(dims) >= n and dims[len(dims) - n:] == shape
+    if not matches:
         raise RuntimeError(
             "Given normalized_shape=%s, expected input with shape [*, %s], but got input of "
             "size %s" % (list(shape), ", ".join(str(d) for d in shape), list(input.shape)))
-    cols = math.prod(shape)
+    cols = shape[0] if n == 1 else math.prod(shape)
     return input.numel() // cols, cols
 
 
 def _check_param(name, param, input, shape):
     if param is None:
         return
-    if tuple(param.shape) != shape:
+    if param.shape != shape:
         raise RuntimeError("Expected %s to be of shape %s, but got %s of shape %s"
                            % (name, list(shape), name, list(param.shape)))
     if param.device != input.device:
         raise RuntimeError("%s is on %s but the input is on %s" % (name, param.device,
                                                                    input.device))
+
+
+def _check_backward_inputs(saved, grad_output, mean, invvar, weight, bias, shape):
+    """Refuses backward inputs that do not fit `saved` (the ops may be called directly).
+
+    The autograd Functions get these from their forward, which made them
+    right; the library checks only that each lies inside its allocation.
+    """
+    rows, cols = _rows_cols(saved, shape)
+    wanted = (("grad_output", grad_output, rows * cols, None),
+              ("mean", mean, rows, torch.float32), ("invvar", invvar, rows, torch.float32),
+              ("weight", weight, cols, None), ("bias", bias, cols, None))
+    for name, t, elems, dtype in wanted:
+        if t is None:
+            continue
+        if t.numel() < elems:
+            raise ValueError("tensor %s holds %d elements; the job needs %d"
+                             % (name, t.numel(), elems))
+        if dtype is not None and t.dtype != dtype:
+            raise TypeError("tensor %s is %s but the job needs %s" % (name, t.dtype, dtype))
+        if t.device != saved.device:
+            raise RuntimeError("%s is on %s but the input is on %s"
+                               % (name, t.device, saved.device))
 
 
 def _plan(input_dtype, weight, bias, mixed):
@@ -164,15 +224,19 @@ def _plan(input_dtype, weight, bias, mixed):
 
 
 def _run(client, op, rows, cols, eps, memory_efficient, weight_dtype, tensors):
-    """Runs one job whose tensors are torch tensors (CUDA, or CPU when staged)."""
-    tensors = {role: t for role, t in tensors.items() if t is not None}
-    first = tensors["x"]
-    args = dict(eps=eps, memory_efficient=memory_efficient, weight_dtype=weight_dtype,
-                dtype=_DTYPES[first.dtype])
-    if first.is_cuda:
-        if torch.cuda.is_current_stream_capturing():
+    """Runs one job whose tensors are torch tensors (CUDA, or CPU when staged).
+
+    tensors: the job's tensors in the order of _ROLES (x first), None where
+    it has none. The callers made them what the job needs (dtypes, sizes,
+    contiguous, one device), so they go to the library without checks of
+    their own here; the library still checks regions and bounds.
+    """
+    x = tensors[0]
+    dtype = _DTYPE_CODES[x.dtype]
+    if x.is_cuda:
+        if _capturing():
             raise NormdError(STATUS_CODES["UNSUPPORTED"], _CAPTURE_MESSAGE)
-        stream = torch.cuda.current_stream(first.device).cuda_stream
+        stream = _raw_stream(x.get_device())
         mode = completion_mode()
         if mode == "enqueue":
             # The call returns before the GPU ran the job. What the job reads
@@ -184,12 +248,38 @@ def _run(client, op, rows, cols, eps, memory_efficient, weight_dtype, tensors):
             # the job (the stream waits for the job's done word before any
             # later work). The caller's own tensors follow torch's rule for
             # any kernel: one allocated on another stream needs record_stream.
-            client.enqueue(op, rows, cols, stream=stream, **args, **tensors)
+            if type(eps) is not float:
+                eps = 0.0 if eps is None else float(eps)
+            job = norm_job(op, rows, cols, eps, dtype, int(weight_dtype or 0),
+                           MEMORY_EFFICIENT if memory_efficient else 0)
+            client._enqueue_device(job, _pointers(*tensors), stream)
         else:
-            client.run(op, rows, cols, stream=stream, event=(mode == "event"), **args,
-                       **tensors)
+            client.run(op, rows, cols, stream=stream, event=(mode == "event"),
+                       **_job_args(eps, memory_efficient, weight_dtype, dtype),
+                       **_by_role(tensors))
     else:
-        _run_staged(client, op, rows, cols, args, tensors)
+        _run_staged(client, op, rows, cols, _job_args(eps, memory_efficient, weight_dtype, dtype),
+                    _by_role(tensors))
+
+
+def _pointers(x, y, mean, rstd, gamma, beta, dy, dx, dgamma, dbeta):
+    """The device pointers of a job's tensors as nc_job_enqueue_device takes them (x is there)."""
+    return pack_device_pointers(
+        x.data_ptr(), 0 if y is None else y.data_ptr(), 0 if mean is None else mean.data_ptr(),
+        0 if rstd is None else rstd.data_ptr(), 0 if gamma is None else gamma.data_ptr(),
+        0 if beta is None else beta.data_ptr(), 0 if dy is None else dy.data_ptr(),
+        0 if dx is None else dx.data_ptr(), 0 if dgamma is None else dgamma.data_ptr(),
+        0 if dbeta is None else dbeta.data_ptr(), 0)
+
+
+def _job_args(eps, memory_efficient, weight_dtype, dtype):
+    return dict(eps=eps, memory_efficient=memory_efficient, weight_dtype=weight_dtype,
+                dtype=dtype)
+
+
+def _by_role(tensors):
+    """The tensors of a job (in _ROLES order) by role name, the absent ones left out."""
+    return {role: t for role, t in zip(_ROLES, tensors) if t is not None}
 
 
 def _run_staged(client, op, rows, cols, args, tensors):
@@ -224,9 +314,12 @@ def _run_staged(client, op, rows, cols, args, tensors):
 
 
 def _forward(client, rms, input, weight, bias, shape, eps, mixed):
-    """Runs the forward job; returns (output, mean, invvar, upcast, job weight_dtype).
+    """Runs the forward job.
 
-    mean is None for RMSNorm; upcast and weight_dtype are _plan()'s.
+    Returns (output, mean, invvar, upcast, job weight_dtype, x, weight, bias):
+    mean is None for RMSNorm; upcast and weight_dtype are _plan()'s; x, weight
+    and bias are the contiguous tensors the job read (x converted to float32
+    when upcast).
     """
     rows, cols = _rows_cols(input, shape)
     _check_param("weight", weight, input, shape)
@@ -238,13 +331,11 @@ def _forward(client, rms, input, weight, bias, shape, eps, mixed):
     weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    stats = dict(dtype=torch.float32, device=x.device)
-    mean = None if rms else torch.empty(rows, **stats)
-    invvar = torch.empty(rows, **stats)
-    op = Op.RMSNORM_FWD if rms else Op.LAYERNORM_FWD
-    _run(client, op, rows, cols, eps, False, weight_dtype,
-         dict(x=x, y=y, mean=mean, rstd=invvar, gamma=weight, beta=bias))
-    return y, mean, invvar, upcast, weight_dtype
+    mean = None if rms else torch.empty(rows, dtype=torch.float32, device=x.device)
+    invvar = torch.empty(rows, dtype=torch.float32, device=x.device)
+    _run(client, _RMS_FWD if rms else _LN_FWD, rows, cols, eps, False, weight_dtype,
+         (x, y, mean, invvar, weight, bias, None, None, None, None))
+    return y, mean, invvar, upcast, weight_dtype, x, weight, bias
 
 
 def _backward(ctx, rms, grad_output, saved, weight, bias, mean, invvar):
@@ -257,10 +348,8 @@ def _backward(ctx, rms, grad_output, saved, weight, bias, mean, invvar):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     dgamma = torch.empty_like(weight) if weight is not None and ctx.needs_weight_grad else None
     dbeta = torch.empty_like(bias) if bias is not None and ctx.needs_bias_grad else None
-    op = Op.RMSNORM_BWD if rms else Op.LAYERNORM_BWD
-    _run(ctx.client, op, rows, cols, ctx.eps, ctx.memory_efficient, ctx.weight_dtype,
-         dict(x=x, dy=dy, mean=mean, rstd=invvar, gamma=weight, beta=bias, dx=dx,
-              dgamma=dgamma, dbeta=dbeta))
+    _run(ctx.client, _RMS_BWD if rms else _LN_BWD, rows, cols, ctx.eps, ctx.memory_efficient,
+         ctx.weight_dtype, (x, None, mean, invvar, weight, bias, dy, dx, dgamma, dbeta))
     if dx.dtype != ctx.input_dtype:
         dx = dx.to(ctx.input_dtype)
     return dx, dgamma, dbeta
@@ -286,26 +375,29 @@ def _affine_forward(ctx, rms, mixed, input, weight, bias, normalized_shape, eps,
                     memory_efficient, client):
     """The forward of the affine Functions; saves what apex saves."""
     client = client or default_client()
-    shape = _normalized_shape(normalized_shape)
-    y, mean, invvar, upcast, wdt = _forward(client, rms, input, weight, bias, shape, eps, mixed)
+    shape = _cached_normalized_shape(normalized_shape)
+    y, mean, invvar, upcast, wdt, x, weight, bias = _forward(client, rms, input, weight, bias,
+                                                             shape, eps, mixed)
     _setup(ctx, client, shape, eps, memory_efficient, input, upcast, wdt,
            ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-    saved = y if memory_efficient else input.contiguous()
+    # What the job read is input.contiguous(), unless it was converted to float32.
+    saved = y if memory_efficient else (input.contiguous() if upcast else x)
     if rms:
-        ctx.save_for_backward(saved, weight.contiguous(), invvar)
+        ctx.save_for_backward(saved, weight, invvar)
     else:
-        ctx.save_for_backward(saved, weight.contiguous(), _contig(bias),
-                              None if memory_efficient else mean, invvar)
+        ctx.save_for_backward(saved, weight, bias, None if memory_efficient else mean, invvar)
     return y
 
 
 def _plain_forward(ctx, rms, input, normalized_shape, eps, memory_efficient, client):
     """The forward of the Functions without parameters; saves what apex saves."""
     client = client or default_client()
-    shape = _normalized_shape(normalized_shape)
-    y, mean, invvar, upcast, wdt = _forward(client, rms, input, None, None, shape, eps, False)
+    shape = _cached_normalized_shape(normalized_shape)
+    y, mean, invvar, upcast, wdt, x, _, _ = _forward(client, rms, input, None, None, shape, eps,
+                                                     False)
     _setup(ctx, client, shape, eps, memory_efficient, input, upcast, wdt, False, False)
-    saved = y if memory_efficient else input.contiguous()
+    # What the job read is input.contiguous(), unless it was converted to float32.
+    saved = y if memory_efficient else (input.contiguous() if upcast else x)
     if rms:
         ctx.save_for_backward(saved, invvar)
     else:
@@ -411,10 +503,6 @@ class FusedRMSNormFunction(torch.autograd.Function):
         return dx, None, None, None, None
 
 
-def _contig(t):
-    return t.contiguous() if t is not None else None
-
-
 # ---- torch fallback ------------------------------------------------------------------
 
 
@@ -449,6 +537,10 @@ def _autocast_enabled():
         return torch.is_autocast_enabled()
 
 
+# Whether any device's autocast is on: one cheap query before the CUDA one, for eager calls.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
+
+
 def _autocast_dtype():
     getter = getattr(torch, "get_autocast_dtype", None)
     return getter("cuda") if getter else torch.get_autocast_gpu_dtype()
@@ -465,16 +557,19 @@ def _autocast_cast(*tensors):
 
 def _norm(rms, mixed, input, weight, bias, normalized_shape, eps, memory_efficient, client):
     """Dispatches one call: the daemon through the right Function or op, or torch."""
-    shape = _normalized_shape(normalized_shape)
-    if _scripting() or not _daemon_input(input):
+    compiling = _is_compiling is not None and _is_compiling()
+    # Under torch.compile the cache would be a guarded global changing between calls.
+    shape = (_normalized_shape if compiling else _cached_normalized_shape)(normalized_shape)
+    if torch.jit.is_scripting() or _is_tracing() or not _daemon_input(input):
         return _torch_norm(rms, input, shape, weight, bias, eps, mixed)
-    if _dynamo_compiling():
+    if compiling:
         if not _custom_ops.AVAILABLE:
             return _torch_norm(rms, input, shape, weight, bias, eps, mixed)
         run = _custom_ops.norm
     else:
         run = _apply
-    if input.is_cuda:
+    if input.is_cuda and (compiling or (_any_autocast() and _autocast_enabled())):
+        # With autocast off, the block below would change nothing: eager calls skip it.
         input, weight, bias = _autocast_cast(input, weight, bias)
         with torch.autocast("cuda", enabled=False):
             return run(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client)
@@ -576,8 +671,14 @@ class FusedLayerNorm(nn.Module):
             init.zeros_(self.bias)
 
     def forward(self, input):
-        return _norm(self._rms, self._mixed, input, self.weight, self.bias,
-                     self.normalized_shape, self.eps, self.memory_efficient, self.client)
+        # Registered parameters straight from _parameters: self.weight would go
+        # through nn.Module.__getattr__; anything else named so (a
+        # parametrization's property) is read as an attribute.
+        params = self._parameters
+        weight = params["weight"] if "weight" in params else self.weight
+        bias = params["bias"] if "bias" in params else self.bias
+        return _norm(self._rms, self._mixed, input, weight, bias, self.normalized_shape,
+                     self.eps, self.memory_efficient, self.client)
 
     def extra_repr(self):
         return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}, " \
