@@ -67,6 +67,8 @@ class DType(enum.IntEnum):
     F32 = 1
     F16 = 2
     BF16 = 3
+    F8E4M3 = 4  # FP8 (OCP) for NcJobExt.y_dtype only: max 448, no infinities
+    F8E5M2 = 5  # FP8 (OCP) for NcJobExt.y_dtype only: max finite 57344
 
 
 # enum nc_job_flags
@@ -298,6 +300,53 @@ _PROTOTYPES = {
                                  ctypes.POINTER(ctypes.c_size_t)]),
     "nc_variants_free": (None, [ctypes.POINTER(NcVariantInfo)]),
 }
+
+# ---- the norm variants (protocol 3; docs/VARIANTS.md, normd.job_ext) --------------
+
+
+class NcJobExt(ctypes.Structure):
+    """struct nc_job_ext: a job's variants, given beside struct nc_job to the *_ext calls.
+
+    A zeroed struct is the plain norm: residual add (residual, residual_out;
+    ds in a backward), weight_offset (1.0: zero-centered gamma), FP8 output
+    (y_dtype F8E4M3/F8E5M2 with scale, amax optional). reserved stays zero.
+    """
+
+    _fields_ = [
+        ("residual", NcTensor),
+        ("residual_out", NcTensor),
+        ("ds", NcTensor),
+        ("scale", NcTensor),
+        ("amax", NcTensor),
+        ("weight_offset", ctypes.c_float),
+        ("y_dtype", ctypes.c_int),
+        ("reserved", ctypes.c_uint64 * 4),
+    ]
+
+
+#: The tensor fields of struct nc_job_ext, in declaration order.
+EXT_TENSOR_ROLES = ("residual", "residual_out", "ds", "scale", "amax")
+
+# enum nc_norm_features: the variants a backend runs (nc_server_norm_features).
+FEATURE_RESIDUAL = 1 << 0       # residual, residual_out, ds
+FEATURE_WEIGHT_OFFSET = 1 << 1  # weight_offset
+FEATURE_FP8_OUTPUT = 1 << 2     # y_dtype F8E4M3 / F8E5M2
+
+STRUCTS["nc_job_ext"] = NcJobExt
+
+_ext_ptr = ctypes.POINTER(NcJobExt)
+_PROTOTYPES.update({
+    "nc_server_norm_features": (ctypes.c_uint32, [_c_void_p]),
+    "nc_job_submit_ext": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _ext_ptr,
+                                   ctypes.POINTER(ctypes.c_uint64)]),
+    "nc_job_run_ext": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _ext_ptr, _c_int,
+                                ctypes.POINTER(NcJobResult)]),
+    "nc_job_run_on_stream_ext": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _ext_ptr, _c_void_p,
+                                          _c_int, ctypes.POINTER(NcJobResult)]),
+    "nc_job_run_event_ext": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _ext_ptr, _c_void_p,
+                                      _c_int, ctypes.POINTER(NcJobResult)]),
+    "nc_job_enqueue_ext": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _ext_ptr, _c_void_p]),
+})
 
 # ---- loading ---------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import threading
 import weakref
 
 from . import _lib
+from . import job_ext as _job_ext
 from .dtypes import ITEMSIZE, dtype_of, to_dtype
 from .errors import NormdError, check, status_name
 from .host import HostRegion, host_error, numpy_dtype, to_bf16
@@ -273,6 +274,17 @@ class Client:
             return [_struct_to_dict(entries[i]) for i in range(count.value)]
         finally:
             self._lib.nc_variants_free(entries)
+
+    # ---- the norm variants (struct nc_job_ext; normd.job_ext, docs/VARIANTS.md) ----
+
+    norm_features = property(_job_ext.norm_features,
+                             doc="The variants the daemon runs (normd._lib.FEATURE_* bits).")
+    make_job_ext = _job_ext.make_job_ext
+    run_ext = _job_ext.run_ext
+    run_job_ext = _job_ext.run_job_ext
+    enqueue_ext = _job_ext.enqueue_ext
+    enqueue_job_ext = _job_ext.enqueue_job_ext
+    submit_ext = _job_ext.submit_ext
 
     # ---- memory -----------------------------------------------------------------
 

@@ -11,10 +11,13 @@ _NAMES = {
     "bf16": DType.BF16, "bfloat16": DType.BF16,
     # bf16 data lives in numpy as uint16 bit patterns (normd.host.to_bf16).
     "uint16": DType.BF16,
+    # FP8, only ever a job's y_dtype (normd.job_ext); uint8 bit patterns in numpy.
+    "f8e4m3": DType.F8E4M3, "e4m3": DType.F8E4M3, "float8_e4m3fn": DType.F8E4M3,
+    "f8e5m2": DType.F8E5M2, "e5m2": DType.F8E5M2, "float8_e5m2": DType.F8E5M2,
 }
 
 #: Bytes per element of each dtype.
-ITEMSIZE = {DType.F32: 4, DType.F16: 2, DType.BF16: 2}
+ITEMSIZE = {DType.F32: 4, DType.F16: 2, DType.BF16: 2, DType.F8E4M3: 1, DType.F8E5M2: 1}
 
 
 def to_dtype(spec):
@@ -37,7 +40,8 @@ def to_dtype(spec):
         return _NAMES[name]
     except KeyError:
         raise TypeError("normd computes in float32, float16 and bfloat16 (bf16 as uint16 in "
-                        "numpy); %r is none of them" % (spec,)) from None
+                        "numpy; FP8 output f8e4m3/f8e5m2 as uint8); %r is none of them"
+                        % (spec,)) from None
 
 
 def dtype_of(obj):

@@ -34,15 +34,18 @@ def _numpy():
 
 
 def numpy_dtype(dtype):
-    """The numpy storage dtype for any dtype spec normd accepts (bf16 -> uint16).
+    """The numpy storage dtype for any dtype spec normd accepts (bf16 -> uint16, FP8 -> uint8).
 
     Raises TypeError for dtypes normd does not compute in.
     """
     from .dtypes import to_dtype
 
     np = _numpy()
+    if str(getattr(dtype, "name", dtype)) == "uint8":
+        return np.dtype(np.uint8)  # FP8 bit patterns (either format)
     return {_lib.DType.F32: np.dtype(np.float32), _lib.DType.F16: np.dtype(np.float16),
-            _lib.DType.BF16: np.dtype(np.uint16)}[to_dtype(dtype)]
+            _lib.DType.BF16: np.dtype(np.uint16), _lib.DType.F8E4M3: np.dtype(np.uint8),
+            _lib.DType.F8E5M2: np.dtype(np.uint8)}[to_dtype(dtype)]
 
 
 class HostRegion:
