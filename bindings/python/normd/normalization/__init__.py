@@ -17,3 +17,18 @@ __all__ = [
     "FusedRMSNormFunction", "FusedLayerNormAffineMixedDtypesFunction",
     "FusedRMSNormAffineMixedDtypesFunction",
 ]
+
+# The norm variants (issue 19; docs/VARIANTS.md): residual add, weight offsets, FP8 output.
+from .fused_add import (FusedAddLayerNorm, FusedAddRMSNorm, fused_add_layer_norm,  # noqa: E402
+                        fused_add_layer_norm_, fused_add_rms_norm, fused_add_rms_norm_)
+from .variants import (FusedLayerNormOffset, FusedNormVariantFunction,  # noqa: E402
+                       FusedRMSNormOffset, fused_layer_norm_fp8, fused_layer_norm_offset,
+                       fused_rms_norm_fp8, fused_rms_norm_offset, set_variant_fallback,
+                       variant_fallback)
+
+__all__ += [
+    "FusedAddLayerNorm", "FusedAddRMSNorm", "fused_add_layer_norm", "fused_add_layer_norm_",
+    "fused_add_rms_norm", "fused_add_rms_norm_", "FusedLayerNormOffset", "FusedRMSNormOffset",
+    "fused_layer_norm_offset", "fused_rms_norm_offset", "fused_layer_norm_fp8",
+    "fused_rms_norm_fp8", "FusedNormVariantFunction", "variant_fallback", "set_variant_fallback",
+]

@@ -1,0 +1,339 @@
+"""normd.normalization's norm variants on a CPU-backend daemon (skipped without torch).
+
+CPU tensors go to the daemon through shared-memory copies
+(NORMD_TORCH_CPU=daemon), so the autograd Function, the jobs' variants and
+the aliasing of the in-place forms are the ones a GPU run uses. With the
+daemon's features masked (the CUDA backend today), the same checks run on
+the torch fallback, and the strict setting raises UNSUPPORTED.
+"""
+
+import inspect
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import variant_checks as checks  # noqa: E402
+
+import normd  # noqa: E402
+from normd import _lib  # noqa: E402
+from normd import normalization as N  # noqa: E402
+from normd.normalization import variants  # noqa: E402
+
+
+@pytest.fixture
+def staged(client, monkeypatch):
+    """Routes CPU tensors to the test daemon through the default client."""
+    monkeypatch.setenv("NORMD_TORCH_CPU", "daemon")
+    monkeypatch.delenv("NORMD_VARIANT_FALLBACK", raising=False)
+    old = normd.set_default_client(client)
+    yield client
+    normd.set_default_client(old)
+
+
+def mask_features(monkeypatch, features):
+    """Makes every Client report `features` (a backend without the other variants)."""
+    monkeypatch.setattr(normd.Client, "norm_features", property(lambda self: features))
+
+
+ADD_CASES = [(name, dtype, memeff, affine, offset)
+             for name in ("FusedAddRMSNorm", "FusedAddLayerNorm")
+             for dtype in checks.DTYPES
+             for memeff in (False, True)
+             for affine, offset in ((True, "plain"), (True, "zero_centered"), (True, "offset"),
+                                    (False, "plain"))]
+ADD_IDS = ["%s-%s-%s-%s-%s" % (n, str(d)[6:], "memeff" if m else "x", "affine" if a else "plain",
+                               o) for n, d, m, a, o in ADD_CASES]
+
+
+@pytest.mark.parametrize("case", ADD_CASES, ids=ADD_IDS)
+def test_add_module(staged, case):
+    name, dtype, memeff, affine, offset = case
+    checks.check_add_module(name, dtype, memeff, affine, offset, (5, 2, 48), (48,), "cpu")
+
+
+@pytest.mark.parametrize("shape,normalized", [((7, 1), (1,)), ((3, 5, 12, 20), (12, 20)),
+                                              ((2, 4096), (4096,))])
+@pytest.mark.parametrize("name", ["FusedAddRMSNorm", "FusedAddLayerNorm"])
+def test_add_module_shapes(staged, name, shape, normalized):
+    checks.check_add_module(name, torch.float32, False, True, "zero_centered", shape, normalized,
+                            "cpu")
+
+
+def test_add_module_sync_mode(staged):
+    old = normd.set_completion_mode("sync")
+    try:
+        checks.check_add_module("FusedAddLayerNorm", torch.bfloat16, True, True, "offset",
+                                (4, 64), (64,), "cpu")
+    finally:
+        normd.set_completion_mode(old)
+
+
+def test_add_module_mixed_weights(staged):
+    """float32 weights with bfloat16 activations: the job's weight_dtype F32."""
+    m = N.FusedAddRMSNorm(32, zero_centered_gamma=True)
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(4, 32, dtype=torch.bfloat16)
+    y, s = m(x, r)
+    assert y.dtype == s.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert m.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
+def test_gradient_of_s_alone(staged):
+    """Only s is used: dx = ds for both, no backward job; y alone: no ds sent."""
+    x = torch.randn(3, 16, requires_grad=True)
+    r = torch.randn(3, 16, requires_grad=True)
+    m = N.FusedAddRMSNorm(16)
+    y, s = m(x, r)
+    ds = torch.randn(3, 16)
+    before = staged.stats()["jobs_ok"]
+    s.backward(ds)
+    assert torch.equal(x.grad, ds) and torch.equal(r.grad, ds)
+    assert staged.stats()["jobs_ok"] == before
+    assert torch.count_nonzero(m.weight.grad) == 0
+
+
+@pytest.mark.parametrize("offset", ["plain", "zero_centered", "offset"])
+@pytest.mark.parametrize("memeff", [False, True], ids=["x", "memeff"])
+@pytest.mark.parametrize("dtype", checks.DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", ["FusedRMSNormOffset", "FusedLayerNormOffset"])
+def test_offset_module(staged, name, dtype, memeff, offset):
+    checks.check_offset_module(name, dtype, memeff, offset, "cpu")
+
+
+def test_functionals(staged):
+    checks.check_functionals("cpu")
+
+
+FP8_CASES = [(rms, dtype, fmt, add, offset)
+             for rms in (True, False) for dtype in checks.DTYPES for fmt in ("e4m3", "e5m2")
+             for add, offset in ((False, "plain"), (True, "zero_centered"), (True, "offset"))]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=["%s-%s-%s-%s-%s" % (
+    "rms" if c[0] else "ln", str(c[1])[6:], c[2], "add" if c[3] else "x", c[4])
+    for c in FP8_CASES])
+def test_fp8(staged, case):
+    before = staged.stats()["jobs_ok"]
+    checks.check_fp8(*case, "cpu")
+    assert staged.stats()["jobs_ok"] == before + 1
+
+
+def test_fp8_amax_exact(staged):
+    checks.check_fp8_amax_exact("cpu")
+
+
+def test_fp8_saturation(staged):
+    checks.check_fp8_saturation("cpu")
+
+
+def test_fp8_argument_errors(staged):
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(TypeError, match="scale must be a float32"):
+        N.fused_rms_norm_fp8(x, w, scale=torch.ones(1, dtype=torch.float64))
+    with pytest.raises(TypeError, match="amax must be a float32"):
+        N.fused_rms_norm_fp8(x, w, scale=torch.ones(1), amax=torch.ones(2))
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        N.fused_rms_norm_fp8(x, w, scale=torch.ones(1), fp8_dtype=torch.float16)
+    with pytest.raises(TypeError, match="scale"):
+        N.fused_rms_norm_fp8(x, w)  # scale is required
+
+
+def test_fp8_non_contiguous_amax(staged):
+    amax = torch.zeros(4)[::2][:1]
+    N.fused_rms_norm_fp8(torch.randn(2, 8), torch.ones(8), scale=torch.ones(1), amax=amax)
+    assert amax.item() > 0
+
+
+@pytest.mark.parametrize("offset", ["plain", "zero_centered"])
+@pytest.mark.parametrize("dtype", checks.DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_in_place(staged, rms, dtype, offset):
+    checks.check_in_place(rms, dtype, offset, "cpu")
+
+
+def test_in_place_sends_aliases(staged, monkeypatch):
+    """The job names y at x's bytes and residual_out at the residual's (the allowed alias)."""
+    seen = {}
+    real = normd.Client.enqueue_ext
+
+    def spy(self, op, rows, cols, **kwargs):
+        seen.update(kwargs)
+        return real(self, op, rows, cols, **kwargs)
+
+    monkeypatch.setattr(normd.Client, "enqueue_ext", spy)
+    x, r = torch.randn(4, 32), torch.randn(4, 32)
+    with torch.no_grad():
+        N.fused_add_rms_norm_(x, r, torch.ones(32), 1e-6)
+    assert seen["y"] == seen["x"] and seen["residual_out"] == seen["residual"]
+    assert seen["x"] != seen["residual"]
+
+
+def test_in_place_rules(staged):
+    x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.ones(32)
+    with pytest.raises(ValueError, match="share memory"):
+        with torch.no_grad():
+            N.fused_add_rms_norm_(x, x, w)
+    both = torch.randn(8, 32)
+    with pytest.raises(ValueError, match="share memory"):
+        with torch.no_grad():
+            N.fused_add_rms_norm_(both[:5], both[3:], w)
+    with pytest.raises(RuntimeError, match="no autograd"):
+        N.fused_add_rms_norm_(x, r, torch.ones(32, requires_grad=True))
+    # Non-contiguous tensors: computed out of place, copied back.
+    xt, rt = torch.randn(32, 4).t(), torch.randn(32, 4).t()
+    y, s = N.fused_add_rms_norm(xt, rt, w, 1e-6)
+    with torch.no_grad():
+        N.fused_add_rms_norm_(xt, rt, w, 1e-6)
+    assert torch.equal(xt, y) and torch.equal(rt, s)
+
+
+def test_errors(staged):
+    m = N.FusedAddRMSNorm(16)
+    with pytest.raises(RuntimeError, match="residual has shape"):
+        m(torch.randn(2, 16), torch.randn(3, 16))
+    with pytest.raises(TypeError, match="residual is torch.float16"):
+        m(torch.randn(2, 16), torch.randn(2, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match="give one of them"):
+        N.FusedAddLayerNorm(16, zero_centered_gamma=True, offset=0.5)
+    with pytest.raises(ValueError, match="elementwise_affine"):
+        N.FusedAddRMSNorm(16, elementwise_affine=False, offset=1.0)
+    with pytest.raises(ValueError, match="elementwise_affine"):
+        N.FusedRMSNormOffset(16, elementwise_affine=False, zero_centered_gamma=True)
+    with pytest.raises(ValueError, match="needs a weight"):
+        N.fused_add_rms_norm(torch.randn(2, 16), torch.randn(2, 16), None, offset=1.0)
+    with pytest.raises(ValueError, match="finite"):
+        N.fused_add_rms_norm(torch.randn(2, 16), torch.randn(2, 16), torch.ones(16),
+                             offset=1e39)
+    with pytest.raises(TypeError, match="float32"):
+        N.fused_add_rms_norm(torch.randn(2, 16), torch.randn(2, 16),
+                             torch.ones(16, dtype=torch.float16))
+
+
+def test_signatures():
+    for cls in (N.FusedAddRMSNorm, N.FusedAddLayerNorm, N.FusedRMSNormOffset,
+                N.FusedLayerNormOffset):
+        params = inspect.signature(cls).parameters
+        assert list(params)[:6] == ["normalized_shape", "eps", "elementwise_affine",
+                                    "memory_efficient", "zero_centered_gamma", "offset"], cls
+        assert params["eps"].default == 1e-5 and params["offset"].default == 0.0
+        assert params["client"].kind == inspect.Parameter.KEYWORD_ONLY
+    assert list(inspect.signature(N.fused_add_rms_norm).parameters)[:4] == \
+        ["input", "residual", "weight", "eps"]
+    assert list(inspect.signature(N.fused_add_rms_norm_).parameters)[:4] == \
+        ["input", "residual", "weight", "eps"]
+    assert list(inspect.signature(N.fused_add_layer_norm).parameters)[:5] == \
+        ["input", "residual", "weight", "bias", "eps"]
+    m = N.FusedAddRMSNorm(8, zero_centered_gamma=True)
+    assert torch.all(m.weight == 0) and "zero_centered_gamma=True" in repr(m)
+    assert torch.all(N.FusedAddLayerNorm(8, offset=0.25).weight == 0.75)
+
+
+# ---- where a call computes: the fallback rule --------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["FusedAddRMSNorm", "FusedAddLayerNorm"])
+def test_fallback_when_the_backend_lacks_the_variant(staged, monkeypatch, name):
+    mask_features(monkeypatch, 0)
+    for dtype in checks.DTYPES:
+        checks.check_add_module(name, dtype, False, True, "zero_centered", (5, 48), (48,), "cpu",
+                                expect_daemon=False)
+    checks.check_offset_module(name.replace("Add", "") + "Offset", torch.bfloat16, False,
+                               "offset", "cpu", expect_daemon=False)
+    checks.check_in_place("RMS" in name, torch.float16, "plain", "cpu", expect_daemon=False)
+
+
+def test_fallback_fp8(staged, monkeypatch):
+    mask_features(monkeypatch, _lib.FEATURE_RESIDUAL | _lib.FEATURE_WEIGHT_OFFSET)
+    before = staged.stats()["jobs_ok"]
+    for dtype in checks.DTYPES:
+        for fmt in ("e4m3", "e5m2"):
+            checks.check_fp8(True, dtype, fmt, True, "offset", "cpu")
+            checks.check_fp8(False, dtype, fmt, False, "plain", "cpu")
+    checks.check_fp8_saturation("cpu")
+    assert staged.stats()["jobs_ok"] == before
+
+
+def test_fallback_is_per_variant(staged, monkeypatch):
+    """A backend with the residual add but not offsets runs the plain add, not the offset."""
+    mask_features(monkeypatch, _lib.FEATURE_RESIDUAL)
+    checks.check_add_module("FusedAddRMSNorm", torch.float32, False, True, "plain", (3, 32),
+                            (32,), "cpu")
+    checks.check_add_module("FusedAddRMSNorm", torch.float32, False, True, "offset", (3, 32),
+                            (32,), "cpu", expect_daemon=False)
+
+
+@pytest.mark.parametrize("how", ["env", "setting"])
+def test_strict_raises_unsupported(staged, monkeypatch, how):
+    mask_features(monkeypatch, _lib.FEATURE_WEIGHT_OFFSET)
+    if how == "env":
+        monkeypatch.setenv("NORMD_VARIANT_FALLBACK", "error")
+        old = None
+    else:
+        old = N.set_variant_fallback("error")
+    try:
+        assert N.variant_fallback() == "error"
+        before = staged.stats()["jobs_ok"]
+        x, r, w = torch.randn(2, 8), torch.randn(2, 8), torch.ones(8)
+        for call in (lambda: N.FusedAddRMSNorm(8)(x, r),
+                     lambda: N.fused_rms_norm_fp8(x, w, scale=torch.ones(1)),
+                     lambda: N.fused_add_layer_norm_(x, r, w, None)):
+            with pytest.raises(normd.NormdError, match="residual add|FP8 output") as err:
+                with torch.no_grad():
+                    call()
+            assert err.value.status == "UNSUPPORTED"
+        # What the backend runs still runs.
+        N.fused_rms_norm_offset(x, w, 8, offset=1.0)
+        assert staged.stats()["jobs_ok"] == before + 1
+    finally:
+        if how == "setting":
+            N.set_variant_fallback(old)
+
+
+def test_fallback_setting():
+    assert N.set_variant_fallback("error") is None
+    assert N.variant_fallback() == "error"
+    assert N.set_variant_fallback(None) == "error"
+    with pytest.raises(ValueError):
+        N.set_variant_fallback("maybe")
+
+
+def test_cpu_tensors_and_float64_use_torch(client, monkeypatch):
+    """Without NORMD_TORCH_CPU=daemon (and for float64), torch computes, as for the plain norms."""
+    monkeypatch.delenv("NORMD_TORCH_CPU", raising=False)
+    old = normd.set_default_client(client)
+    try:
+        before = client.stats()["jobs_ok"]
+        checks.check_add_module("FusedAddLayerNorm", torch.float32, True, True, "offset", (3, 40),
+                                (40,), "cpu", client=client, expect_daemon=False)
+        checks.check_fp8(True, torch.bfloat16, "e4m3", True, "zero_centered", "cpu",
+                         client=client)
+        monkeypatch.setenv("NORMD_TORCH_CPU", "daemon")
+        y, s = N.fused_add_rms_norm(torch.randn(2, 8, dtype=torch.float64),
+                                    torch.randn(2, 8, dtype=torch.float64), torch.ones(8))
+        assert y.dtype == s.dtype == torch.float64
+        assert client.stats()["jobs_ok"] == before
+    finally:
+        normd.set_default_client(old)
+
+
+def test_compiled_module_uses_torch(staged):
+    """Under torch.compile the variants are computed by torch (no custom op yet)."""
+    if not hasattr(torch, "compile"):
+        pytest.skip("no torch.compile")
+    m = N.FusedAddRMSNorm(32, zero_centered_gamma=True)
+    x, r = torch.randn(4, 32), torch.randn(4, 32)
+    eager = m(x, r)
+    try:
+        compiled = torch.compile(m, backend="eager", fullgraph=True)(x, r)
+    except Exception as err:  # noqa: BLE001 - a PyTorch without a working dynamo here
+        pytest.skip("torch.compile unavailable: %s" % err)
+    checks.expect_close("compiled y", compiled[0], eager[0], 1e-6)
+    assert torch.equal(compiled[1], eager[1])
+
+
+def test_variant_fallback_env_is_checked(monkeypatch):
+    monkeypatch.setenv("NORMD_VARIANT_FALLBACK", "sometimes")
+    with pytest.raises(ValueError, match="NORMD_VARIANT_FALLBACK"):
+        variants.variant_fallback()
