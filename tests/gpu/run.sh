@@ -48,6 +48,21 @@ if python3 -c "import torch, pytest" >/dev/null 2>&1; then
 else
 	echo "== test_compile.py: skipped (python3 cannot import torch and pytest)"
 fi
+# The norm variants of normd.normalization, eager and compiled (pytest; each file
+# starts its own daemon on GPU 0 for its CUDA cases).
+if python3 -c "import torch, pytest" >/dev/null 2>&1; then
+	echo "== test_variants.py test_variant_compile.py"
+	if NORMD_BIN="$build/bin/normd" PYTHONDONTWRITEBYTECODE=1 timeout "$timeout_s" \
+		python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_variants.py \
+		tests/python/test_variant_compile.py; then
+		echo "== test_variants.py test_variant_compile.py: ok"
+	else
+		echo "== test_variants.py test_variant_compile.py: FAILED (exit $?)"
+		status=1
+	fi
+else
+	echo "== test_variants.py test_variant_compile.py: skipped (python3 cannot import torch and pytest)"
+fi
 if [ "$found" = 0 ]; then
 	echo "no GPU test programs in $build/tests/gpu" >&2
 	exit 1

@@ -1,11 +1,13 @@
 """Checks of normd.normalization's norm variants against float64 references.
 
-Shared by runners: tests/python/test_variants.py runs them on CPU tensors
-staged to a CPU-backend daemon (and with the daemon's features masked, on
-the torch fallback); a GPU runner can run them on CUDA tensors once the
-CUDA backend reports the variants. Each check raises AssertionError naming
-the case and the numbers, and returns the number of daemon jobs it saw run.
+tests/python/test_variants.py runs them on CPU tensors staged to a
+CPU-backend daemon, on CUDA tensors against a daemon serving GPU 0 where
+there is one (make test-gpu), and with the daemon's features masked, on
+the torch fallback. Each check raises AssertionError naming the case and
+the numbers; the module checks return the number of daemon jobs they saw.
 """
+
+import time
 
 import numpy as np
 import torch
@@ -23,8 +25,28 @@ OFFSETS = {"plain": ({}, 0.0), "zero_centered": ({"zero_centered_gamma": True}, 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def jobs_ok(client):
-    return (client or normd.default_client()).stats()["jobs_ok"]
+def jobs_ok(client, device="cpu", target=None, timeout=5.0):
+    """The daemon's jobs_ok; on a GPU after synchronizing, and with target once it reaches it.
+
+    An enqueued job counts when the daemon retires it, a little after the
+    stream has run it.
+    """
+    client = client or normd.default_client()
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    deadline = time.monotonic() + timeout
+    while True:
+        now = client.stats()["jobs_ok"]
+        if target is None or now >= target or time.monotonic() > deadline:
+            return now
+        time.sleep(0.01)
+
+
+def expect_jobs(label, client, device, before, expected):
+    """Exactly `expected` jobs ran in the daemon since `before`."""
+    ran = jobs_ok(client, device, before + expected) - before
+    assert ran == expected, "%s: %d daemon jobs, expected %d" % (label, ran, expected)
+    return ran
 
 
 def rel_l2(got, ref):
@@ -102,7 +124,7 @@ def check_add_module(name, dtype, memory_efficient, affine, offset_name, shape, 
     x, r = make_inputs(shape, dtype, device, gen)
     x.requires_grad_(True)
     r.requires_grad_(True)
-    before = jobs_ok(client)
+    before = jobs_ok(client, device)
     y, s = module(x, r)
     assert y.dtype == dtype and s.dtype == dtype and y.shape == x.shape == s.shape, label
     (x64, r64, w64, b64), y64, s64 = reference(rms, x, r, module.weight,
@@ -128,9 +150,7 @@ def check_add_module(name, dtype, memory_efficient, affine, offset_name, shape, 
         expect_close(label + " dweight", module.weight.grad, w64.grad, tol * 2 * factor)
         if b64 is not None:
             expect_close(label + " dbias", module.bias.grad, b64.grad, tol * 2)
-    ran = jobs_ok(client) - before
-    assert ran == (2 if expect_daemon else 0), "%s: %d daemon jobs" % (label, ran)
-    return ran
+    return expect_jobs(label, client, device, before, 2 if expect_daemon else 0)
 
 
 def check_offset_module(name, dtype, memory_efficient, offset_name, device, client=None,
@@ -153,7 +173,7 @@ def check_offset_module(name, dtype, memory_efficient, offset_name, device, clie
     module = module.to(device=device, dtype=dtype)
     x, _ = make_inputs(shape, dtype, device, gen)
     x.requires_grad_(True)
-    before = jobs_ok(client)
+    before = jobs_ok(client, device)
     y = module(x)
     (x64, _, w64, b64), y64, _ = reference(rms, x, None, module.weight,
                                            getattr(module, "bias", None), normalized, offset)
@@ -164,9 +184,7 @@ def check_offset_module(name, dtype, memory_efficient, offset_name, device, clie
     factor = 2.0 if memory_efficient else 1.0
     expect_close(label + " dx", x.grad, x64.grad, TOL[dtype] * factor)
     expect_close(label + " dweight", module.weight.grad, w64.grad, TOL[dtype] * 2 * factor)
-    ran = jobs_ok(client) - before
-    assert ran == (2 if expect_daemon else 0), "%s: %d daemon jobs" % (label, ran)
-    return ran
+    return expect_jobs(label, client, device, before, 2 if expect_daemon else 0)
 
 
 def check_functionals(device, client=None):
@@ -271,7 +289,7 @@ def check_in_place(rms, dtype, offset_name, device, client=None, expect_daemon=T
         y, s = N.fused_add_rms_norm(x, r, w, 1e-6, client=client, **kwargs)
     else:
         y, s = N.fused_add_layer_norm(x, r, w, b, 1e-6, client=client, **kwargs)
-    before = jobs_ok(client)
+    before = jobs_ok(client, device)
     with torch.no_grad():
         if rms:
             out = N.fused_add_rms_norm_(x, r, w, 1e-6, client=client, **kwargs)
@@ -279,6 +297,4 @@ def check_in_place(rms, dtype, offset_name, device, client=None, expect_daemon=T
             out = N.fused_add_layer_norm_(x, r, w, b, 1e-6, client=client, **kwargs)
     assert out[0] is x and out[1] is r
     assert torch.equal(x, y) and torch.equal(r, s), "in place differs from out of place"
-    ran = jobs_ok(client) - before
-    assert ran == (1 if expect_daemon else 0), "%d daemon jobs" % ran
-    return ran
+    return expect_jobs("in place", client, device, before, 1 if expect_daemon else 0)

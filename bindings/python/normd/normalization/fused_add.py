@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from torch.nn import init
 
-from .fused_layer_norm import _normalized_shape
-from .variants import (_daemon_client, _default_shape, _features, _forward, _plan,
-                       torch_norm_variant, variant_norm, weight_offset_of)
+from .fused_layer_norm import _dynamo_compiling, _normalized_shape
+from .variants import (_default_shape, _features, _forward, _plan, _route, torch_norm_variant,
+                       variant_norm, weight_offset_of)
 
 __all__ = [
     "FusedAddLayerNorm", "FusedAddRMSNorm", "fused_add_layer_norm", "fused_add_layer_norm_",
@@ -169,17 +169,21 @@ def _add_norm_in_place(rms, input, residual, weight, bias, normalized_shape, eps
                            "form (fused_add_rms_norm / fused_add_layer_norm)")
     shape = _normalized_shape(_default_shape(normalized_shape, input, weight))
     _plan(input, residual, weight, bias, shape, weight_offset)
-    (a0, a1), (b0, b1) = _byte_span(input), _byte_span(residual)
-    if input.device == residual.device and a0 < b1 and b0 < a1:
-        raise ValueError("input and residual share memory: the in-place form writes y over "
-                         "the input and s over the residual, which must not overlap")
     with torch.no_grad():
-        daemon = _daemon_client(input, _features(residual, weight_offset, False), client)
-        if daemon is not None and input.is_contiguous() and residual.is_contiguous():
+        if _dynamo_compiling():  # no op for the in-place form: torch computes it
+            where, daemon = "torch", None
+        else:
+            (a0, a1), (b0, b1) = _byte_span(input), _byte_span(residual)
+            if input.device == residual.device and a0 < b1 and b0 < a1:
+                raise ValueError("input and residual share memory: the in-place form writes y "
+                                 "over the input and s over the residual, which must not "
+                                 "overlap")
+            where, daemon = _route(input, _features(residual, weight_offset, False), client)
+        if where == "daemon" and input.is_contiguous() and residual.is_contiguous():
             _forward(daemon, rms, input, residual, weight, bias, shape, eps, weight_offset,
                      in_place=True, stats=False)
             return input, residual
-        if daemon is not None:
+        if where == "daemon":
             y, s, _, _, _, _ = _forward(daemon, rms, input, residual, weight, bias, shape, eps,
                                         weight_offset, stats=False)
         else:

@@ -11,18 +11,24 @@ Where a call computes, one rule for every variant:
 
 1. As for the plain norms (see fused_layer_norm): CPU tensors (unless
    ``NORMD_TORCH_CPU=daemon``), float64, empty inputs, TorchScript and
-   tracing, and code being compiled by torch.compile/torch.export are
-   computed by torch, with the numerics below.
+   tracing are computed by torch, with the numerics below.
 2. Otherwise the daemon computes, when its backend runs every variant the
    call uses (``Client.norm_features``: residual add, weight offset, FP8
-   output). This is decided per call, so once a backend reports a variant
-   (the CUDA kernels) the same code runs it in the daemon.
-3. When the backend does not run them (the CUDA backend until its variant
-   kernels land, or a daemon older than protocol 3): torch computes
+   output; the CPU and CUDA backends report all three). This is decided
+   per call, from what the connected daemon reports.
+3. When the backend does not run them (a daemon older than protocol 3, or
+   a backend built without the variant kernels): torch computes
    (``variant_fallback() == "torch"``, the default), or, when
    ``NORMD_VARIANT_FALLBACK=error`` (read at each call) or
    ``set_variant_fallback("error")`` asks for strictness, the call raises
    ``NormdError`` UNSUPPORTED before anything is sent.
+
+Under torch.compile (and torch.export) the same rule is applied while
+tracing: the daemon's variants through the custom ops of variant_ops
+(normd::norm_variant_fwd/bwd/fp8), or torch's implementation traced into
+the graph; the strict error then comes wrapped by torch.compile (the
+NormdError is its context). The in-place forms have no op: compiled, torch
+computes them.
 
 The torch implementation follows the daemon's numerics: s = x + residual
 rounded once to the input's dtype and normalized as stored; the weight
@@ -147,21 +153,36 @@ def _features(residual, weight_offset, fp8):
             (_lib.FEATURE_FP8_OUTPUT if fp8 else 0))
 
 
-def _daemon_client(input, need, client):
-    """The client whose daemon computes this call, or None when torch does (module doc)."""
-    if _scripting() or _dynamo_compiling() or not _daemon_input(input):
-        return None
-    client = client or default_client()
-    missing = need & ~client.norm_features
+def daemon_runs(client, need):
+    """Whether `client`'s daemon runs the variants `need` (FEATURE_* bits): True, or False when
+    torch is to compute them, or NormdError UNSUPPORTED when variant_fallback() is "error"."""
+    features = client.norm_features
+    missing = need & ~features
     if not missing:
-        return client
+        return True
     if variant_fallback() == "error":
         raise NormdError(STATUS_CODES["UNSUPPORTED"],
                          "the daemon's %s backend does not run %s jobs (nc_server_norm_features "
                          "0x%x), and NORMD_VARIANT_FALLBACK / set_variant_fallback asks for "
                          "an error rather than computing them with torch"
-                         % (client.backend, feature_names(missing), client.norm_features))
-    return None
+                         % (client.backend, feature_names(missing), features))
+    return False
+
+
+def _route(input, need, client):
+    """Where one call computes (module doc): ("daemon", client), ("ops", None) or ("torch", None).
+
+    "ops": code being compiled, which calls the custom ops of variant_ops.
+    """
+    if _scripting() or not _daemon_input(input):
+        return "torch", None
+    if _dynamo_compiling():
+        if not _variant_ops.AVAILABLE:
+            return "torch", None
+        key = 0 if client is None else client._key
+        return ("ops" if _variant_ops.route(key, need) else "torch"), None
+    client = client or default_client()
+    return ("daemon" if daemon_runs(client, need) else "torch"), client
 
 
 def _plan(input, residual, weight, bias, shape, weight_offset):
@@ -413,11 +434,9 @@ def torch_fp8(y, scale, amax, fp8_dtype):
         amax.copy_(top.to(torch.float32).reshape(amax.shape))
     scaled = y * scale.to(y.dtype)
     limit = FP8_MAX[fp8_dtype]
-    codes = scaled.clamp(-limit, limit).to(fp8_dtype)
-    nan = torch.isnan(scaled)
-    if bool(nan.any()):
-        codes.view(torch.uint8).masked_fill_(nan, _FP8_NAN)
-    return codes
+    codes = scaled.clamp(-limit, limit).to(fp8_dtype).view(torch.uint8)
+    # torch keeps a NaN's sign (0xff); the daemon writes 0x7f for every NaN.
+    return codes.masked_fill(torch.isnan(scaled), _FP8_NAN).view(fp8_dtype)
 
 
 # ---- dispatch -----------------------------------------------------------------------------------
@@ -439,12 +458,15 @@ def _variant_norm(rms, input, residual, weight, bias, normalized_shape, eps, wei
                   memory_efficient, client):
     shape = _normalized_shape(normalized_shape)
     _plan(input, residual, weight, bias, shape, weight_offset)
-    daemon = _daemon_client(input, _features(residual, weight_offset, False), client)
-    if daemon is None:
-        y, s = torch_norm_variant(rms, input, residual, weight, bias, shape, eps, weight_offset)
-        return y.to(input.dtype), s
-    return FusedNormVariantFunction.apply(input, residual, weight, bias, shape, eps, rms,
-                                          weight_offset, memory_efficient, daemon)
+    where, daemon = _route(input, _features(residual, weight_offset, False), client)
+    if where == "daemon":
+        return FusedNormVariantFunction.apply(input, residual, weight, bias, shape, eps, rms,
+                                              weight_offset, memory_efficient, daemon)
+    if where == "ops":
+        return _variant_ops.norm(rms, input, residual, weight, bias, shape, eps, weight_offset,
+                                 memory_efficient, client)
+    y, s = torch_norm_variant(rms, input, residual, weight, bias, shape, eps, weight_offset)
+    return y.to(input.dtype), s
 
 
 def fp8_norm(rms, input, residual, weight, bias, normalized_shape, eps, weight_offset, scale,
@@ -456,8 +478,11 @@ def fp8_norm(rms, input, residual, weight, bias, normalized_shape, eps, weight_o
         raise TypeError("FP8 output needs scale (a float32 tensor of one element)")
     _plan(input, residual, weight, bias, shape, weight_offset)
     with torch.no_grad():
-        daemon = _daemon_client(input, _features(residual, weight_offset, True), client)
-        if daemon is None:
+        where, daemon = _route(input, _features(residual, weight_offset, True), client)
+        if where == "ops":
+            return _variant_ops.fp8(rms, input, residual, weight, bias, shape, eps,
+                                    weight_offset, scale, amax, fp8_dtype, client)
+        if where == "torch":
             y, s = torch_norm_variant(rms, input, residual, weight, bias, shape, eps,
                                       weight_offset)
             y8 = torch_fp8(y, scale, amax, fp8_dtype)
@@ -591,3 +616,7 @@ def fused_layer_norm_fp8(input, weight, bias, normalized_shape=None, eps=1e-6, *
                     _default_shape(normalized_shape, input, weight), eps,
                     weight_offset_of(zero_centered_gamma, offset), scale, amax, fp8_dtype,
                     client)
+
+
+# The ops call this module's helpers, so they are defined once it is complete.
+from . import variant_ops as _variant_ops  # noqa: E402
