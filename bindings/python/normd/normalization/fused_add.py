@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from torch.nn import init
 
-from .fused_layer_norm import _dynamo_compiling, _normalized_shape
-from .variants import (_default_shape, _features, _forward, _plan, _route, torch_norm_variant,
-                       variant_norm, weight_offset_of)
+from .fused_layer_norm import _normalized_shape
+from .variants import (_default_shape, _dynamo_compiling, _features, _forward, _plan, _route,
+                       torch_norm_variant, variant_norm, weight_offset_of)
 
 __all__ = [
     "FusedAddLayerNorm", "FusedAddRMSNorm", "fused_add_layer_norm", "fused_add_layer_norm_",

@@ -60,8 +60,8 @@ from ..client import completion_mode, default_client
 from ..errors import NormdError
 from ..job_ext import feature_names
 from .fused_layer_norm import (_CAPTURE_MESSAGE, _DTYPES, FusedLayerNorm, FusedRMSNorm,
-                               _autocast_cast, _check_param, _daemon_input, _dynamo_compiling,
-                               _normalized_shape, _rows_cols, _scripting)
+                               _autocast_cast, _check_param, _daemon_input, _normalized_shape,
+                               _rows_cols)
 
 __all__ = [
     "FALLBACK_MODES", "FusedLayerNormOffset", "FusedNormVariantFunction", "FusedRMSNormOffset",
@@ -89,6 +89,18 @@ _OUTPUT_ROLES = frozenset(("y", "mean", "rstd", "residual_out", "amax", "dx", "d
                            "dbeta"))
 
 # ---- where a call computes -------------------------------------------------------------
+
+
+# These two are fused_layer_norm's questions, asked here in their plain form:
+# that module's per-call path is tuned separately and keeps its own.
+def _scripting():
+    return torch.jit.is_scripting() or torch.jit.is_tracing()
+
+
+def _dynamo_compiling():
+    """True while torch.compile / torch.export traces the caller."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler and getattr(compiler, "is_compiling", None) and compiler.is_compiling())
 
 
 def _checked_fallback(mode, what):
