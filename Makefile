@@ -90,14 +90,16 @@ $(B)/obj/gen/normd.pb-c.o: $(B)/gen/normd.pb-c.c
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -O2 -g -fPIC -fvisibility=hidden -I$(B)/gen -c $< -o $@
 
-$(B)/obj/kernels/%.cu.o: kernels/%.cu kernels/norm_kernels.h kernels/norm_cuda_internal.cuh
+$(B)/obj/kernels/%.cu.o: kernels/%.cu kernels/norm_kernels.h kernels/norm_cuda_variant.h \
+		$(wildcard kernels/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCC_FLAGS) -c $< -o $@
 
 PROTO_OBJS := $(B)/obj/gen/normd.pb-c.o $(B)/obj/proto/frame.o
 KERNEL_CPU_OBJS := $(B)/obj/kernels/norm_cpu.o $(B)/obj/kernels/norm_cpu_f32.o \
 	$(B)/obj/kernels/norm_cpu_f64.o $(B)/obj/kernels/norm_common.o \
-	$(B)/obj/kernels/cuda_driver.o $(B)/obj/kernels/wgrad_cpu.o $(B)/obj/kernels/wgrad_cublas.o
+	$(B)/obj/kernels/norm_cuda_policy.o $(B)/obj/kernels/cuda_driver.o \
+	$(B)/obj/kernels/wgrad_cpu.o $(B)/obj/kernels/wgrad_cublas.o
 KERNEL_CUDA_OBJS := $(patsubst kernels/%.cu,$(B)/obj/kernels/%.cu.o,$(wildcard kernels/*.cu))
 DAEMON_SRCS := $(wildcard daemon/*.c)
 DAEMON_OBJS := $(patsubst %.c,$(B)/obj/%.o,$(DAEMON_SRCS))

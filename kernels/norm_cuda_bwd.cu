@@ -393,9 +393,8 @@ int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaS
  * sums of those columns in registers, as the tiled kernel does, but the row
  * itself (x or y, and dy) is staged in shared memory by cp.async, two
  * stages deep: while a row is reduced and written, the next one is in
- * flight. (Three stages measured 3-8% slower on an H100, and 25% slower
- * memory-efficient: the larger carve-out leaves L1 too small for the
- * weights.) A thread reads back only the slots it copied itself, so the
+ * flight (not three: the larger carve-out leaves L1 too small for the
+ * weights; BENCHMARKS.md, block_smem backward: stages). A thread reads back only the slots it copied itself, so the
  * stages need no barrier; one block (cluster) reduction a row remains.
  * Partial row u of the workspace is row group u's; the grid is
  * min(rows, units_cap) groups. Cluster blocks have at most 256 threads, so

@@ -26,8 +26,9 @@
  *      row ago), sum the K slots in rank order, write dx of row i - 1.
  * The exchange has a whole row to land, so a block that runs up to a row
  * ahead of its peers does not wait for them. It uses no cluster barrier:
- * a release barrier would also wait for every dx store still in flight
- * (measured: a cluster of 2 ran at half the speed of one block). A block
+ * a release barrier would also wait for every dx store still in flight,
+ * which halves the speed (BENCHMARKS.md, tma_slice backward: the exchange
+ * of row sums). A block
  * stores row j + D's sums into a peer only after it has received the
  * peer's sums of row j + D - 2, which the peer sends (step 3 of row
  * j + D - 2) after it has read the slots of row j (step 4 of row j + 1),

@@ -239,11 +239,9 @@ __device__ __forceinline__ void write_row(const Params &p, int64_t row, const ui
  * writes them, and the hardware starts the next block in its place. At
  * most 64 registers a thread (two blocks of 512 threads, four of 256, a
  * multiprocessor), so 32 warps a multiprocessor keep their loads in
- * flight. On the H100 this ran at 96-99% of copy bandwidth for rows of 512
- * to 4096 columns, where a persistent grid of the same kernel ran at
- * 91-94%, and the persistent kernel that loaded the next row while
- * reducing this one (over 100 registers, 16 warps a multiprocessor) at
- * 90-94% (BENCHMARKS.md, session 5).
+ * flight: that beat a persistent grid of the same kernel, and a persistent
+ * kernel that loaded the next row while reducing this one (BENCHMARKS.md,
+ * tiled forward: the kernel).
  */
 template <typename T, typename W, int NV, bool FULL, bool LN>
 __global__ void __launch_bounds__(MAX_THREADS, 2) fwd_tiled(const Params p)
@@ -298,11 +296,11 @@ int run(const Params &p, const Shape &s, cudaStream_t stream)
  * the next rows are in flight while this one is reduced and written;
  * thread t copies and reads back vectors t, t + G, ..., so the stages need
  * no barrier. LayerNorm reduces sum(x) and sum(x * x) in one pass where
- * mean^2 <= variance (bf16 32768: 89 -> 92-93% of copy bandwidth), else
- * adds the two-pass reduction of squared deviations; RMSNorm takes one.
- * At most 40 registers (as many as 4 blocks of 384 threads leave; with
- * more, bf16 RMSNorm 12288 measured 3-4 points slower), any block size up
- * to SMEM_FWD_MAX_THREADS.
+ * mean^2 <= variance (faster than two), else adds the two-pass reduction
+ * of squared deviations; RMSNorm takes one. At most 40 registers (as many
+ * as 4 blocks of 384 threads leave; more ran slower), any block size up to
+ * SMEM_FWD_MAX_THREADS (BENCHMARKS.md, block_smem forward: registers and
+ * one pass).
  */
 template <typename T, typename W, bool LN>
 __global__ void __maxnreg__(40) fwd_smem(const Params p)
@@ -463,11 +461,10 @@ int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *
 			constexpr int NV = decltype(nv)::value;
 			/*
 			 * 16-bit rows of at most a warp's lanes that fill every
-			 * thread's vectors skip the bounds checks: 0.5-1.4 points
-			 * at bf16 LayerNorm 512 and 1024 columns, measured on the
-			 * persistent kernel of session 4. Not for wider rows
-			 * (measured no faster) nor fp32 data or weights (the
-			 * unchecked kernels spilled registers there).
+			 * thread's vectors skip the bounds checks, which ran
+			 * faster; not wider rows (no faster) nor fp32 data or
+			 * weights (the unchecked kernels spill registers there;
+			 * BENCHMARKS.md, tiled forward: rows without bounds checks).
 			 */
 			if constexpr (sizeof(T) == 2 && sizeof(W) == 2) {
 				if (p.G <= 32 && p.K == 1 && p.nvec == NV * p.G)

@@ -302,7 +302,7 @@ struct nk_variant {
 				    and "split rows" (31; in block_smem the ring
 				    backward, which repacks bits 0-15; tma_slice
 				    keeps its stages in bits 4-7), see
-				    norm_cuda_internal.cuh */
+				    norm_cuda_shape.cuh */
 	uint32_t reserved;       /* zero */
 };
 

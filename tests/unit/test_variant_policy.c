@@ -24,7 +24,9 @@
  * one answer share a line (all of them, or a group of dtype pairs; else a
  * line per weights set and run of row counts). Digest lines add the
  * workspace size and fit of every variant of every job, which the lines do
- * not show.
+ * not show. A second test asks the policy table (kernels/norm_cuda_policy.c)
+ * which rule took each job, and fails if a rule takes none (`--rules`
+ * prints them all).
  *
  * When a change of the rules is intended, regenerate the record from the
  * repository root and commit it with the change (the diff of the two
@@ -45,6 +47,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/norm_cuda_variant.h"
 #include "kernels/norm_kernels.h"
 
 #define COUNT(array) (sizeof(array) / sizeof((array)[0]))
@@ -491,6 +494,30 @@ static long print_feature_width(FILE *out, struct job_key k, int64_t cols, uint6
 	return (long)(COUNT(dtype_pairs) * COUNT(feature_rows));
 }
 
+/* Keys of the variants' lines: device, op, flag, variant (not plain), layout (two). */
+#define FEATURE_KEYS (COUNT(devices) * COUNT(ops) * 2 * (F_COUNT - 1) * 2)
+
+/*
+ * Key `i` (0 <= i < FEATURE_KEYS) of the variants' lines into *k; false
+ * for memory-efficient forward keys.
+ */
+static bool feature_key(size_t i, struct job_key *k)
+{
+	const enum layout layout = i % 2 ? L_X_OFF : L_ALIGNED;
+	i /= 2;
+	const enum feature feature = (enum feature)(F_RESIDUAL + i % (F_COUNT - 1));
+	i /= F_COUNT - 1;
+	const bool mem_eff = i % 2 == 1;
+	i /= 2;
+	*k = (struct job_key){.dev = &devices[i / COUNT(ops)],
+			      .op = ops[i % COUNT(ops)],
+			      .mem_eff = mem_eff,
+			      .layout = layout,
+			      .weights = W_AFFINE,
+			      .feature = feature};
+	return !mem_eff || op_is_bwd(k->op);
+}
+
 /*
  * The lines of jobs that use the norm variants, on fewer widths than the
  * plain jobs: per device, op, flag, variant and layout (aligned, x one
@@ -499,22 +526,11 @@ static long print_feature_width(FILE *out, struct job_key k, int64_t cols, uint6
 static long print_features(FILE *out)
 {
 	uint64_t digest = 0xcbf29ce484222325ull;
+	struct job_key k;
 	long jobs = 0;
 
-	for (size_t i = 0; i < COUNT(devices) * COUNT(ops) * 2 * (F_COUNT - 1) * 2; i++) {
-		size_t n = i;
-		const enum layout layout = n % 2 ? L_X_OFF : L_ALIGNED;
-		n /= 2;
-		const enum feature feature = (enum feature)(F_RESIDUAL + n % (F_COUNT - 1));
-		n /= F_COUNT - 1;
-		const bool mem_eff = n % 2 == 1;
-		n /= 2;
-		const struct job_key k = {.dev = &devices[n / COUNT(ops)],
-					  .op = ops[n % COUNT(ops)],
-					  .mem_eff = mem_eff,
-					  .layout = layout,
-					  .feature = feature};
-		if (mem_eff && !op_is_bwd(k.op))
+	for (size_t i = 0; i < FEATURE_KEYS; i++) {
+		if (!feature_key(i, &k))
 			continue;
 		for (size_t c = 0; c < COUNT(feature_widths); c++)
 			jobs += print_feature_width(out, k, feature_widths[c], &digest);
@@ -701,9 +717,128 @@ static void test_policy_matches_golden_record(void **state)
 	print_message("%zu lines, all as recorded\n", golden_lines);
 }
 
+/* How many jobs of the grid each rule of the policy table took, and the first of them. */
+struct rule_use {
+	long jobs;
+	char first[160];
+};
+
+/* Slots of the grid: every combination, of which grid_job skips the ones that are no job. */
+static size_t grid_slots(void)
+{
+	return COUNT(devices) * COUNT(ops) * 2 * L_COUNT * width_count * COUNT(dtype_pairs) *
+	       W_COUNT * COUNT(row_counts);
+}
+
 /*
- * With no argument, the test; `--print` writes the record to stdout (to
- * regenerate the golden one).
+ * Job `i` of the grid (0 <= i < grid_slots()) into *k, *cols and *a; false
+ * for the slots that are no job (memory-efficient or dy layouts of a
+ * forward op).
+ */
+static bool grid_job(size_t i, struct job_key *k, int64_t *cols, struct nk_norm_args *a)
+{
+	const size_t r = i % COUNT(row_counts);
+	i /= COUNT(row_counts);
+	k->weights = (enum weights)(i % W_COUNT);
+	i /= W_COUNT;
+	k->pair = i % COUNT(dtype_pairs);
+	i /= COUNT(dtype_pairs);
+	*cols = widths[i % width_count];
+	i /= width_count;
+	k->layout = (enum layout)(i % L_COUNT);
+	i /= L_COUNT;
+	k->mem_eff = i % 2 == 1;
+	i /= 2;
+	k->op = ops[i % COUNT(ops)];
+	k->dev = &devices[i / COUNT(ops)];
+	if (k->mem_eff && !op_is_bwd(k->op))
+		return false;
+	return make_job(k, *cols, row_counts[r], a);
+}
+
+/* Adds the jobs of the variants' lines (affine weights, rows 1) to uses[]. */
+static void count_feature_rule_uses(struct rule_use *uses)
+{
+	struct nk_norm_args a;
+	struct nk_variant v;
+	struct job_key k;
+
+	for (size_t i = 0; i < FEATURE_KEYS * COUNT(feature_widths) * COUNT(dtype_pairs); i++) {
+		const size_t c = i / COUNT(dtype_pairs) % COUNT(feature_widths);
+		if (!feature_key(i / COUNT(dtype_pairs) / COUNT(feature_widths), &k))
+			continue;
+		k.pair = i % COUNT(dtype_pairs);
+		if (!make_job(&k, feature_widths[c], 1, &a) || !add_feature(&k, &a))
+			continue;
+		const int rule = nk__policy_pick(&a, &k.dev->info, &v);
+		assert_true(rule >= 0 && rule < nk__policy_rule_count());
+		if (uses[rule].jobs++ == 0)
+			snprintf(uses[rule].first, sizeof(uses[rule].first), "%s %s %s %s cols=%lld",
+				 k.dev->name, nk_op_name(k.op), k.mem_eff ? "memeff" : "-",
+				 feature_names[k.feature], (long long)feature_widths[c]);
+	}
+}
+
+/* Fills uses[0..nk__policy_rule_count()) over every job of the grid. */
+static void count_rule_uses(struct rule_use *uses)
+{
+	struct nk_norm_args a;
+	struct nk_variant v;
+	struct job_key k;
+	int64_t cols;
+	char pname[32];
+
+	fill_widths();
+	for (size_t i = 0; i < grid_slots(); i++) {
+		if (!grid_job(i, &k, &cols, &a))
+			continue;
+		const int rule = nk__policy_pick(&a, &k.dev->info, &v);
+		assert_true(rule >= 0 && rule < nk__policy_rule_count());
+		if (uses[rule].jobs++ > 0)
+			continue;
+		snprintf(uses[rule].first, sizeof(uses[rule].first), "%s %s %s %s %s cols=%lld",
+			 k.dev->name, nk_op_name(k.op), pair_name(k.pair, pname, sizeof(pname)),
+			 k.mem_eff ? "memeff" : "-", layout_names[k.layout], (long long)cols);
+	}
+	count_feature_rule_uses(uses);
+}
+
+/* Prints every rule with the jobs of the grid it took and the first of them. */
+static int print_rules(FILE *out)
+{
+	const int n = nk__policy_rule_count();
+	struct rule_use *uses = calloc((size_t)n, sizeof(*uses));
+	int unused = 0;
+
+	assert_non_null(uses);
+	count_rule_uses(uses);
+	for (int i = 0; i < n; i++) {
+		fprintf(out, "rule %2d: %8ld jobs, first %s\n          %s\n", i, uses[i].jobs,
+			uses[i].jobs ? uses[i].first : "(none)", nk__policy_rule_why(i));
+		unused += uses[i].jobs == 0;
+	}
+	free(uses);
+	return unused;
+}
+
+/*
+ * Every rule of the policy table takes some job of the grid: a rule that
+ * takes none is shadowed by the rules above it, or names a shape that
+ * never fits, and says something the policy does not do.
+ */
+static void test_every_rule_takes_a_job(void **state)
+{
+	(void)state;
+	const int unused = print_rules(stdout);
+	fflush(stdout);
+	if (unused > 0)
+		fail_msg("%d rules of kernels/norm_cuda_policy.c take no job of the grid", unused);
+}
+
+/*
+ * With no argument, the tests; `--print` writes the record to stdout (to
+ * regenerate the golden one), `--rules` the rules of the policy table with
+ * the jobs of the grid each takes.
  */
 int main(int argc, char **argv)
 {
@@ -711,8 +846,13 @@ int main(int argc, char **argv)
 		print_record(stdout);
 		return fflush(stdout) == 0 ? 0 : 1;
 	}
+	if (argc == 2 && strcmp(argv[1], "--rules") == 0) {
+		print_rules(stdout);
+		return fflush(stdout) == 0 ? 0 : 1;
+	}
 	const struct CMUnitTest tests[] = {
 	    cmocka_unit_test(test_policy_matches_golden_record),
+	    cmocka_unit_test(test_every_rule_takes_a_job),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,8 +1,9 @@
 /*
- * The host-side variant rules of the CUDA backend (kernels/norm_cuda_variant.cu)
- * through the C ABI of kernels/norm_kernels.h: nk_cuda_variant_default,
- * nk_cuda_variant_candidates, nk_cuda_variant_fits, nk_variant_name and
- * nk_cuda_workspace_bytes. They read a struct nk_device_info and never touch
+ * The host-side variant rules of the CUDA backend (the policy table of
+ * kernels/norm_cuda_policy.c, the builders and fit checks of
+ * kernels/norm_cuda_variant.cu) through the C ABI of kernels/norm_kernels.h:
+ * nk_cuda_variant_default, nk_cuda_variant_candidates, nk_cuda_variant_fits,
+ * nk_variant_name and nk_cuda_workspace_bytes. They read a struct nk_device_info and never touch
  * a GPU, so they run here on two profiles: an H100-like sm_90 and an
  * A100-like sm_80.
  *
@@ -294,9 +295,10 @@ static void test_no_tma_slice_on_sm80(void **state)
 }
 
 /*
- * tma_bwd_default: K = ceil(vectors / (512 threads * 2 vectors)) blocks a
- * row, each of 512 threads (so the two-blocks-a-multiprocessor shape is not
- * taken): bf16 16384 columns (2048 vectors) on a cluster of 2, 32768 on 4.
+ * The tma_slice backward rules (TMA_FEWEST_BLOCKS): K = ceil(vectors / (512
+ * threads * 2 vectors)) blocks a row, each of 512 threads (so the
+ * two-blocks-a-multiprocessor shape is not taken): bf16 16384 columns (2048
+ * vectors) on a cluster of 2, 32768 on 4.
  */
 static void test_wide_bwd_defaults_to_tma_slice(void **state)
 {
@@ -327,7 +329,7 @@ static void test_wide_bwd_defaults_to_tma_slice(void **state)
 /*
  * bf16 8192 columns (1024 vectors, one tma_slice block a row): the
  * standard backward takes tma_slice, the memory-efficient one stays on
- * block_row with 512 threads (measured faster there, BENCHMARKS.md).
+ * block_row with 512 threads (faster there: BENCHMARKS.md, tma_slice backward).
  */
 static void test_one_block_memeff_stays_tiled(void **state)
 {
@@ -416,7 +418,7 @@ static void expect_fwd(enum nk_op op, enum nk_dtype dt, int64_t cols,
 }
 
 /*
- * fwd_default: 16-bit rows of up to 8192 columns on the tiled kernel, four
+ * The forward rules: 16-bit rows of up to 8192 columns on the tiled kernel, four
  * vectors a thread (RMSNorm at 2048-4096 columns two), 256 threads (no
  * tma_slice, on sm_90 either); wider
  * 16-bit rows staged (block_smem, four vectors a thread); fp32 RMSNorm two
@@ -455,7 +457,7 @@ static void test_fwd_defaults(void **state)
 	expect_fwd(NK_LAYERNORM_FWD, NK_F32, 8192, &a100, NK_FAMILY_BLOCK_ROW, 512, 4);
 	expect_fwd(NK_LAYERNORM_FWD, NK_F32, 8196, &h100, NK_FAMILY_BLOCK_ROW, 288, 8);
 
-	/* fp32 rows past a block (clusters on sm_90), and unaligned rows: not fwd_default's. */
+	/* fp32 rows past a block (clusters on sm_90), and unaligned rows: the general rules'. */
 	struct nk_norm_args a = make_job(NK_LAYERNORM_FWD, NK_F32, NK_F32, 0u, 32768, 64);
 	struct nk_variant v;
 	assert_int_equal(nk_cuda_variant_default(&a, &h100, &v), NK_OK);

@@ -1,0 +1,174 @@
+/*
+ * Device helpers the kernel files share (private to kernels/): storage
+ * conversions and packing, weight loads, the clamp and division of the
+ * memory-efficient backward, the backward's partial-row store, and the
+ * shared state and barrier setup of the tma_slice kernels.
+ */
+#ifndef NORMD_NORM_CUDA_DEVICE_CUH
+#define NORMD_NORM_CUDA_DEVICE_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/norm_cuda_launch.cuh"
+#include "kernels/norm_cuda_ptx.cuh"
+
+namespace nkc
+{
+
+__device__ __forceinline__ float to_f(float v)
+{
+	return v;
+}
+__device__ __forceinline__ float to_f(__half v)
+{
+	return __half2float(v);
+}
+__device__ __forceinline__ float to_f(__nv_bfloat16 v)
+{
+	return __bfloat162float(v);
+}
+
+template <typename S> __device__ __forceinline__ S from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v)
+{
+	return v;
+}
+template <> __device__ __forceinline__ __half from_f<__half>(float v)
+{
+	return __float2half_rn(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v)
+{
+	return __float2bfloat16_rn(v);
+}
+
+/* Unpacks the 16 bytes of `u` into 16 / sizeof(S) floats. */
+template <typename S> __device__ __forceinline__ void unpack(uint4 u, float *f)
+{
+	constexpr int PER = 16 / sizeof(S);
+	union {
+		uint4 u;
+		S s[PER];
+	} b;
+	b.u = u;
+#pragma unroll
+	for (int i = 0; i < PER; i++)
+		f[i] = to_f(b.s[i]);
+}
+
+/* Packs 16 / sizeof(S) floats, rounded once, into 16 bytes. */
+template <typename S> __device__ __forceinline__ uint4 pack(const float *f)
+{
+	constexpr int PER = 16 / sizeof(S);
+	union {
+		uint4 u;
+		S s[PER];
+	} b;
+#pragma unroll
+	for (int i = 0; i < PER; i++)
+		b.s[i] = from_f<S>(f[i]);
+	return b.u;
+}
+
+/* N elements of S at p (16-byte aligned) into floats, through L1. */
+template <int N, typename S> __device__ __forceinline__ void load_weights(const S *p, float *f)
+{
+	constexpr int PER = 16 / sizeof(S);
+	static_assert(N % PER == 0, "whole vectors only");
+#pragma unroll
+	for (int c = 0; c < N / PER; c++)
+		unpack<S>(__ldg(reinterpret_cast<const uint4 *>(p) + c), f + c * PER);
+}
+
+/* apex's clamp_by_magnitude: |g| < eps becomes +-eps, 0 becomes +eps. */
+__device__ __forceinline__ float clamp_magnitude(float g, float eps)
+{
+	return g >= 0.0f ? (g < eps ? eps : g) : (g > -eps ? -eps : g);
+}
+
+/*
+ * a / b within 2 ulp: the fast division, with b scaled by a power of two
+ * into its range first (exact), so no IEEE slow-path call is compiled in.
+ */
+__device__ __forceinline__ float divide(float a, float b)
+{
+	float m = fabsf(b);
+	if (m < 0x1p-125f)
+		return __fdividef(a, b * 0x1p64f) * 0x1p64f;
+	if (m > 0x1p125f)
+		return __fdividef(a, b * 0x1p-64f) * 0x1p-64f;
+	return __fdividef(a, b);
+}
+
+/*
+ * Writes a thread's dgamma/dbeta sums of its vectors vi[j] (>= nvec: none)
+ * as partial row `prow` of the workspace (backward kernels).
+ */
+template <int NV, int VEC>
+__device__ __forceinline__ void write_partials(const Params &p, int64_t prow, const int *vi,
+					       const float *ag, const float *ab)
+{
+	float *pg = p.part + prow * p.cols;
+	float *pb = p.part + (p.part_rows + prow) * p.cols;
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		if (vi[j] >= p.nvec)
+			continue;
+#pragma unroll
+		for (int c = 0; c < VEC / 4; c++) {
+			const float *a = ag + j * VEC + 4 * c;
+			const float *b = ab + j * VEC + 4 * c;
+			if (p.f & F_DGAMMA)
+				reinterpret_cast<float4 *>(pg + vi[j] * VEC)[c] =
+				    make_float4(a[0], a[1], a[2], a[3]);
+			if (p.f & F_DBETA)
+				reinterpret_cast<float4 *>(pb + vi[j] * VEC)[c] =
+				    make_float4(b[0], b[1], b[2], b[3]);
+		}
+	}
+}
+
+/* Per-block static shared memory of the tma_slice kernels (forward and backward). */
+struct TmaSmem {
+	unsigned long long full[TMA_MAX_STAGES]; /* mbarrier: stage k's copies landed */
+	unsigned long long sums[TMA_SUM_SLOTS];	 /* mbarrier: a row's K block sums landed */
+	/* (16 bytes a block: bwd sum(g), sum(g * xh); fwd count, mean, M2) */
+	float4 warp[2][MAX_THREADS / 32];	     /* each warp's, by row parity */
+	float4 rank[TMA_SUM_SLOTS][TMA_MAX_CLUSTER]; /* each block's of the cluster, by row slot */
+};
+/* Shared memory a tma_slice block takes besides its stages (the dynamic base is 128-aligned). */
+constexpr size_t TMA_STATIC_SMEM = (sizeof(TmaSmem) + 127) / 128 * 128;
+
+#ifdef NKC_TMA
+/*
+ * Thread 0 initializes the stage barriers (`stages`) and, on a cluster of
+ * K > 1 blocks, the row-sum barriers, armed for the block's first rows of
+ * its n row groups; then the block, and the cluster, meet, so that every
+ * block's shared memory is live before any peer stores into it.
+ */
+__device__ __forceinline__ void tma_barriers_init(TmaSmem &sm, int stages, int K, int64_t n)
+{
+	if (threadIdx.x == 0) {
+		for (int k = 0; k < stages; k++)
+			mbarrier_init(&sm.full[k], 1);
+		for (int d = 0; d < TMA_SUM_SLOTS && K > 1; d++) {
+			mbarrier_init(&sm.sums[d], 1);
+			if (d < n) /* the K blocks' sums of row group d */
+				mbarrier_expect(&sm.sums[d], 16u * K);
+		}
+		mbarrier_init_fence();
+	}
+	__syncthreads();
+	if (K > 1) {
+		cluster_arrive();
+		cluster_wait();
+	}
+}
+#endif
+
+} /* namespace nkc */
+
+#endif /* NORMD_NORM_CUDA_DEVICE_CUH */
