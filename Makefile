@@ -266,6 +266,8 @@ bench-gpu: gpu-progs
 	@sh bench/run.sh $(B)
 	@LD_LIBRARY_PATH=$(B)/lib/gpu-host $(B)/bench/bench_latency
 	@LD_LIBRARY_PATH=$(B)/lib/gpu-host python3 bench/bench_wgrad.py $(B)
+	@LD_LIBRARY_PATH=$(B)/lib/gpu-host python3 bench/bench_host_path.py --build $(B) \
+		--json $${BENCH_LOG_DIR:-/tmp}/bench_host_path.json
 	@LD_LIBRARY_PATH=$(B)/lib/gpu-host python3 bench/bench_train.py --build $(B) --mps \
 		--json $${BENCH_LOG_DIR:-/tmp}/bench_train.json
 

@@ -63,6 +63,14 @@ if python3 -c "import torch, pytest" >/dev/null 2>&1; then
 else
 	echo "== test_variants.py test_variant_compile.py: skipped (python3 cannot import torch and pytest)"
 fi
+# MPS with one and two user ids (docs/MPS.md's deployments; needs root, else it skips).
+echo "== mps_users.sh"
+if timeout "$timeout_s" sh tests/gpu/mps_users.sh "$build"; then
+	echo "== mps_users.sh: ok"
+else
+	echo "== mps_users.sh: FAILED (exit $?)"
+	status=1
+fi
 if [ "$found" = 0 ]; then
 	echo "no GPU test programs in $build/tests/gpu" >&2
 	exit 1
