@@ -6,6 +6,9 @@ checks on numpy arrays are tested separately. After every refusal the
 connection still works.
 """
 
+import os
+import socket
+
 import numpy as np
 import pytest
 
@@ -160,6 +163,48 @@ def test_connect_failure(tmp_path):
         normd.Client(str(tmp_path / "no-daemon.sock"), timeout_ms=2000)
     assert info.value.status == "IO"
     assert "no-daemon.sock" in info.value.message
+    assert "is normd running on that socket?" in info.value.message
+
+
+def test_connect_socket_from_environment(tmp_path, monkeypatch):
+    """No socket given: $NORMD_SOCKET, and the error says that is where it came from."""
+    path = str(tmp_path / "env.sock")
+    monkeypatch.setenv("NORMD_SOCKET", path)
+    with pytest.raises(NormdError) as info:
+        normd.Client(timeout_ms=2000)
+    assert info.value.status == "IO"
+    assert info.value.message == ("cannot connect to normd at %s: No such file or directory -- "
+                                  "is normd running on that socket? (the socket named by "
+                                  "$NORMD_SOCKET)" % path)
+
+
+def test_connect_default_socket(monkeypatch):
+    """Neither a socket nor $NORMD_SOCKET (nor an empty one): /run/normd/0.sock, as normctl."""
+    if os.path.exists(normd.DEFAULT_SOCKET):
+        pytest.skip("a daemon may serve %s on this host" % normd.DEFAULT_SOCKET)
+    for value in (None, ""):
+        if value is None:
+            monkeypatch.delenv("NORMD_SOCKET", raising=False)
+        else:
+            monkeypatch.setenv("NORMD_SOCKET", value)
+        with pytest.raises(NormdError) as info:
+            normd.Client(timeout_ms=2000)
+        assert info.value.status == "IO"
+        assert "at /run/normd/0.sock:" in info.value.message
+        assert "the default socket; set $NORMD_SOCKET" in info.value.message
+
+
+def test_connect_socket_that_never_answers(tmp_path):
+    """A socket that accepts but never answers Hello: TIMEOUT, naming the socket."""
+    path = str(tmp_path / "silent.sock")
+    with socket.socket(socket.AF_UNIX) as silent:
+        silent.bind(path)
+        silent.listen()
+        with pytest.raises(NormdError) as info:
+            normd.Client(path, timeout_ms=200)
+    assert info.value.status == "TIMEOUT"
+    assert info.value.message.startswith("normd at %s: " % path)
+    assert "is normd running on that socket?" in info.value.message
 
 
 def test_status_names_match_library():

@@ -99,6 +99,31 @@ class _Conn:
         self.lib.nc_close(handle)
 
 
+def _socket_and_origin(socket):
+    """The socket to connect to, as the C tools choose it, and where it came from.
+
+    An explicit path, else $NORMD_SOCKET, else DEFAULT_SOCKET (normctl's rule).
+    """
+    if socket:
+        return socket, "given"
+    if os.environ.get("NORMD_SOCKET"):
+        return os.environ["NORMD_SOCKET"], "$NORMD_SOCKET"
+    return DEFAULT_SOCKET, "default"
+
+
+def _connect_error(rc, socket, origin):
+    """nc_connect's message; when no daemon answered, with where the socket came from."""
+    message = _lib.text(_lib.load().nc_last_error())
+    if rc not in (_lib.STATUS_CODES["IO"], _lib.STATUS_CODES["TIMEOUT"]):
+        return message
+    if socket not in message:
+        message = "normd at %s: %s" % (socket, message)
+    hint = {"given": "",
+            "$NORMD_SOCKET": " (the socket named by $NORMD_SOCKET)",
+            "default": " (the default socket; set $NORMD_SOCKET or pass socket= to use another)"}
+    return "%s -- is normd running on that socket?%s" % (message, hint[origin])
+
+
 def _to_op(op):
     if isinstance(op, str):
         try:
@@ -194,14 +219,16 @@ class Client:
 
     def __init__(self, socket=None, name=None, timeout_ms=DEFAULT_TIMEOUT_MS):
         self._lib = _lib.load()
-        self.socket = socket or os.environ.get("NORMD_SOCKET") or DEFAULT_SOCKET
+        self.socket, origin = _socket_and_origin(socket)
         self.timeout_ms = int(timeout_ms)
         if name is None:
             name = "python:%s" % (os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0]
                                   else "python")
         handle = ctypes.c_void_p()
-        check(self._lib.nc_connect(os.fsencode(self.socket), name.encode(), self.timeout_ms,
-                                   ctypes.byref(handle)))
+        rc = self._lib.nc_connect(os.fsencode(self.socket), name.encode(), self.timeout_ms,
+                                  ctypes.byref(handle))
+        if rc < 0:
+            raise NormdError(rc, _connect_error(rc, self.socket, origin))
         self._conn = _Conn(self._lib, handle.value)
         self._enqueue_device_call = self._lib.nc_job_enqueue_device
         self._finalizer = weakref.finalize(self, self._conn.close)
