@@ -9,6 +9,8 @@
 #   make test-gpu   GPU tests (on a machine with an NVIDIA GPU)
 #   make bench-gpu  GPU benchmarks (on a machine with an NVIDIA GPU)
 #   make install    install under PREFIX (/usr/local) into DESTDIR (README.md)
+#   make wheel      the Python package as a wheel carrying libnormclient
+#                   (build/wheel; bindings/python/README.md)
 #
 # Generated code goes to build/gen, objects to build/obj, products to
 # build/bin, build/lib and build/tests. Nothing is written into the tree.
@@ -136,6 +138,34 @@ $(B)/lib/libnormclient.so: $(B)/lib/libnormclient.so.$(VERSION)
 	ln -sf libnormclient.so.$(VERSION) $(B)/lib/libnormclient.so.$(SOVERSION)
 	ln -sf libnormclient.so.$(SOVERSION) $@
 
+# ---- the Python wheel ----------------------------------------------------------
+# make wheel: $(WHEEL), the package of bindings/python with a libnormclient.so.0
+# of its own inside (bindings/python/build_wheel.py writes it). That copy links
+# protobuf-c and the CUDA runtime statically, so it needs only the C library
+# (libcuda is opened with dlopen when a GPU is used) and the wheel installs and
+# runs on a host with none of the build's packages. Debian's libprotobuf-c.a is
+# built -fPIE: its code may go into a shared object when its symbols bind
+# inside it, which --exclude-libs,ALL makes so (they are hidden, as the rest of
+# the library's are; only nc_* is exported).
+PYTHON ?= python3
+WHEEL_PLATFORM := linux_$(shell uname -m)
+WHEEL := $(B)/wheel/normd-$(VERSION)-py3-none-$(WHEEL_PLATFORM).whl
+WHEEL_INPUTS := bindings/python/build_wheel.py bindings/python/pyproject.toml \
+	bindings/python/README.md bindings/python/licenses/protobuf-c.txt \
+	$(wildcard bindings/python/normd/*.py bindings/python/normd/*/*.py)
+
+.PHONY: wheel
+wheel: $(WHEEL)
+
+$(B)/wheel/lib/libnormclient.so.$(SOVERSION): $(CLIENT_PIC_OBJS) $(B)/obj/gen/normd.pb-c.o
+	@mkdir -p $(dir $@)
+	$(CC) -shared -Wl,-soname,libnormclient.so.$(SOVERSION) -Wl,--no-undefined \
+		-Wl,--exclude-libs,ALL $(LDFLAGS) -o $@ $^ $(STATIC_PB) $(CUDART) $(SYS_LIBS)
+
+$(WHEEL): $(B)/wheel/lib/libnormclient.so.$(SOVERSION) $(WHEEL_INPUTS)
+	$(PYTHON) bindings/python/build_wheel.py --library $< --version $(VERSION) \
+		--platform $(WHEEL_PLATFORM) --out $(B)/wheel
+
 # The pkg-config file: paths under the prefix are written as ${prefix}/...
 # so that `pkg-config --define-variable=prefix=...` can relocate them.
 PC_SED = -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' \
@@ -246,7 +276,7 @@ run: deps
 	@sh tests/run-demo.sh $(B)
 
 test: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) all asan fuzz-build
+	@$(MAKE) --no-print-directory -j$$(nproc) all asan fuzz-build wheel
 	@sh tests/run.sh $(B)
 
 # The unit and integration tests and the demo, built with ASan + UBSan.

@@ -13,9 +13,10 @@ A pure-Python (ctypes) layer over libnormclient:
   normd.normalization completes jobs on CUDA tensors, "enqueue" (default),
   "sync" or "event" (see normd.completion_mode).
 
-The library is found through $NORMD_LIBRARY, the source tree's build/, or
-the system's library path (see normd._lib); the daemon's socket through
-$NORMD_SOCKET (default /run/normd/0.sock).
+The library is found through $NORMD_LIBRARY, the copy an installed wheel
+carries, the source tree's build/, or the system's library path (see
+normd._lib); the daemon's socket through $NORMD_SOCKET (default
+/run/normd/0.sock).
 """
 
 import importlib

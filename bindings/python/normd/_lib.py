@@ -9,11 +9,13 @@ Where the library is looked for, in order:
 
 1. ``$NORMD_LIBRARY``: a path to ``libnormclient.so`` (or any name the
    dynamic loader accepts).
-2. The build tree next to this package when it runs from the source tree:
+2. The copy the wheel carries (``make wheel``), beside this file:
+   ``normd/libnormclient.so.0`` (protobuf-c and the CUDA runtime linked in).
+3. The build tree next to this package when it runs from the source tree:
    ``<repository>/build/lib/libnormclient.so``.
-3. ``ctypes.util.find_library("normclient")`` (the ldconfig cache, e.g. after
+4. ``ctypes.util.find_library("normclient")`` (the ldconfig cache, e.g. after
    ``make install`` and ``ldconfig``).
-4. ``libnormclient.so.0`` through the dynamic loader's own search
+5. ``libnormclient.so.0`` through the dynamic loader's own search
    (``LD_LIBRARY_PATH``, the default directories).
 
 On a host without Debian's ``libprotobuf-c.so.1`` (the library's one shared
@@ -355,6 +357,16 @@ _lib = None
 _lib_path = None
 
 
+#: The library an installed wheel carries, beside this file (bindings/python/build_wheel.py).
+BUNDLED_LIBRARY = "libnormclient.so.0"
+
+
+def _bundled_library():
+    """The wheel's own libnormclient.so.0 when this package was installed from it."""
+    candidate = Path(__file__).resolve().with_name(BUNDLED_LIBRARY)
+    return str(candidate) if candidate.exists() else None
+
+
 def _source_tree_library():
     """<repository>/build/lib/libnormclient.so when this file is in the source tree."""
     here = Path(__file__).resolve()
@@ -373,6 +385,9 @@ def _candidates():
         # would hide a wrong path.
         return [("$NORMD_LIBRARY", env)]
     found = []
+    bundled = _bundled_library()
+    if bundled:
+        found.append(("the library the wheel installed", bundled))
     tree = _source_tree_library()
     if tree:
         found.append(("the source tree's build", tree))
