@@ -6,12 +6,13 @@ need=""
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 # systemd (systemd-analyze, -socket-activate, -sysusers, -tmpfiles), groff-base
 # and python3-prometheus-client serve the offline service tests (tests/service);
-# python3-numpy and python3-pytest the Python binding's tests (tests/python);
+# python3-numpy and python3-pytest the Python binding's tests (tests/python),
+# python3-venv the fresh virtual environment its wheel is installed into;
 # clang with libclang-rt-14-dev (libFuzzer and the sanitizer runtimes) builds
 # the fuzz target, valgrind runs the daemon under memcheck.
 for pkg in build-essential pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler \
 	libcmocka-dev clang libclang-rt-14-dev valgrind systemd groff-base \
-	python3-prometheus-client python3-numpy python3-pytest; do
+	python3-prometheus-client python3-numpy python3-pytest python3-venv; do
 	have_pkg "$pkg" || need="$need $pkg"
 done
 if [ -n "$need" ]; then

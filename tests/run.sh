@@ -44,6 +44,8 @@ if has_suite main; then
 	run_one "stress/normstress" 120 sh tests/stress/normstress.sh "$B"
 	# The Python binding (bindings/python) with numpy against a CPU daemon.
 	run_one "python/pytest" 300 sh tests/python/run.sh "$B"
+	# The wheel (make wheel) pip-installed into a fresh venv, run against a CPU daemon.
+	run_one "python/wheel" 300 sh tests/python/test_wheel.sh "$B"
 	# The service: systemd units offline, socket activation, install, metrics.
 	for t in tests/service/test_*.sh; do
 		run_one "service/$(basename "$t" .sh)" 120 sh "$t" "$B"
