@@ -141,6 +141,18 @@ def test_gradient_of_s_alone(device):
     assert torch.count_nonzero(m.weight.grad) == 0
 
 
+def test_backward_twice(device):
+    """retain_graph: a second backward sees the saved mean and rstd unmodified."""
+    x = torch.randn(4, 32, device=device, requires_grad=True)
+    r = torch.randn(4, 32, device=device, requires_grad=True)
+    m = N.FusedAddLayerNorm(32).to(device)
+    y, s = m(x, r)
+    dy = torch.randn(4, 32, device=device)
+    first = torch.autograd.grad(y, (x, m.weight), dy, retain_graph=True)
+    second = torch.autograd.grad(y, (x, m.weight), dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 @pytest.mark.parametrize("offset", ["plain", "zero_centered", "offset"])
 @pytest.mark.parametrize("memeff", [False, True], ids=["x", "memeff"])
 @pytest.mark.parametrize("dtype", checks.DTYPES, ids=lambda d: str(d)[6:])

@@ -84,9 +84,10 @@ _fallback = None  # set_variant_fallback()'s choice; None: $NORMD_VARIANT_FALLBA
 _STAGE_ALIGN = 64
 _STAGE_KEY = 0  # the CPU backend's order key of staged jobs in the enqueue mode
 
-#: Roles a job writes (copied back in the staged CPU mode).
-_OUTPUT_ROLES = frozenset(("y", "mean", "rstd", "residual_out", "amax", "dx", "dgamma",
-                           "dbeta"))
+#: Roles a forward and a backward write (copied back in the staged CPU mode); a backward
+#: reads mean and rstd, so copying them back would bump their autograd versions.
+_FWD_OUTPUTS = frozenset(("y", "mean", "rstd", "residual_out", "amax"))
+_BWD_OUTPUTS = frozenset(("dx", "dgamma", "dbeta"))
 
 # ---- where a call computes -------------------------------------------------------------
 
@@ -298,8 +299,9 @@ def _run_staged(client, op, rows, cols, args, tensors):
             client.stream_wait(_STAGE_KEY)
         else:  # "event" needs CUDA: the CPU backend runs it synchronously
             client.run_ext(op, rows, cols, **args, **job_tensors)
+        outputs = _BWD_OUTPUTS if op in (Op.LAYERNORM_BWD, Op.RMSNORM_BWD) else _FWD_OUTPUTS
         for role, t in tensors.items():
-            if role in _OUTPUT_ROLES:
+            if role in outputs:
                 t.copy_(staged[role])
     finally:
         region.free()
