@@ -259,7 +259,7 @@ def _run(client, op, rows, cols, eps, memory_efficient, weight_dtype, tensors):
                        **_by_role(tensors))
     else:
         _run_staged(client, op, rows, cols, _job_args(eps, memory_efficient, weight_dtype, dtype),
-                    _by_role(tensors))
+                    _by_role(tensors), _OUTPUTS[op])
 
 
 def _pointers(x, y, mean, rstd, gamma, beta, dy, dx, dgamma, dbeta):
@@ -282,13 +282,22 @@ def _by_role(tensors):
     return {role: t for role, t in zip(_ROLES, tensors) if t is not None}
 
 
-def _run_staged(client, op, rows, cols, args, tensors):
-    """CPU tensors through one shared-memory region: copy in, run, copy out."""
-    offsets, total = {}, 0
+def _run_staged(client, op, rows, cols, args, tensors, outputs, ext=False):
+    """CPU tensors through one shared-memory region: copy in, run, copy `outputs` out.
+
+    ext: the job goes through the variants' *_ext calls. Roles naming the
+    same tensor (the same address and size) share one place in the region,
+    so the daemon sees an in-place form as it would on a GPU and checks it
+    by the same rule.
+    """
+    places, offsets, total = {}, {}, 0
     for role, t in tensors.items():
-        total = -(-total // _STAGE_ALIGN) * _STAGE_ALIGN
-        offsets[role] = total
-        total += t.numel() * t.element_size()
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if key not in places:
+            total = -(-total // _STAGE_ALIGN) * _STAGE_ALIGN
+            places[key] = total
+            total += key[1]
+        offsets[role] = places[key]
     region = client.host_region(total)
     try:
         staged = {}
@@ -298,15 +307,17 @@ def _run_staged(client, op, rows, cols, args, tensors):
             staged[role] = raw.view(t.dtype).view(t.shape)
             staged[role].copy_(t)
         staged_tensors = {role: (region, offsets[role]) for role in tensors}
+        enqueue, run = (client.enqueue_ext, client.run_ext) if ext else (client.enqueue,
+                                                                          client.run)
         if completion_mode() == "enqueue":
             # The enqueue mode on the CPU backend: the stream argument is a
             # key naming an order, and stream_wait() waits for its jobs (and
             # raises the daemon's later errors); the copies are read after.
-            client.enqueue(op, rows, cols, stream=_STAGE_KEY, **args, **staged_tensors)
+            enqueue(op, rows, cols, stream=_STAGE_KEY, **args, **staged_tensors)
             client.stream_wait(_STAGE_KEY)
         else:  # "event" needs CUDA: the CPU backend runs it synchronously
-            client.run(op, rows, cols, **args, **staged_tensors)
-        for role in _OUTPUTS[op]:
+            run(op, rows, cols, **args, **staged_tensors)
+        for role in outputs:
             if role in tensors:
                 tensors[role].copy_(staged[role])
     finally:

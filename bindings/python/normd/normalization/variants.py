@@ -61,7 +61,7 @@ from ..errors import NormdError
 from ..job_ext import feature_names
 from .fused_layer_norm import (_CAPTURE_MESSAGE, _DTYPES, FusedLayerNorm, FusedRMSNorm,
                                _autocast_cast, _check_param, _daemon_input, _normalized_shape,
-                               _rows_cols)
+                               _rows_cols, _run_staged)
 
 __all__ = [
     "FALLBACK_MODES", "FusedLayerNormOffset", "FusedNormVariantFunction", "FusedRMSNormOffset",
@@ -81,8 +81,6 @@ _E4M3 = getattr(torch, "float8_e4m3fn", None)
 FALLBACK_MODES = ("torch", "error")
 _fallback = None  # set_variant_fallback()'s choice; None: $NORMD_VARIANT_FALLBACK
 
-_STAGE_ALIGN = 64
-_STAGE_KEY = 0  # the CPU backend's order key of staged jobs in the enqueue mode
 
 #: Roles a forward and a backward write (copied back in the staged CPU mode); a backward
 #: reads mean and rstd, so copying them back would bump their autograd versions.
@@ -254,7 +252,8 @@ def _run(client, op, rows, cols, args, tensors):
     x = tensors["x"]
     args["dtype"] = _DTYPES[x.dtype]
     if not x.is_cuda:
-        _run_staged(client, op, rows, cols, args, tensors)
+        outputs = _BWD_OUTPUTS if op in (Op.LAYERNORM_BWD, Op.RMSNORM_BWD) else _FWD_OUTPUTS
+        _run_staged(client, op, rows, cols, args, tensors, outputs, ext=True)
         return
     if torch.cuda.is_current_stream_capturing():
         raise NormdError(STATUS_CODES["UNSUPPORTED"], _CAPTURE_MESSAGE)
@@ -268,43 +267,6 @@ def _run(client, op, rows, cols, args, tensors):
     else:
         client.run_ext(op, rows, cols, stream=stream, event=(mode == "event"), **args,
                        **tensors)
-
-
-def _run_staged(client, op, rows, cols, args, tensors):
-    """CPU tensors through one shared-memory region: copy in, run, copy out.
-
-    Roles naming the same tensor (the same address and size) share one
-    place in the region, so the daemon sees the in-place form it would see
-    on a GPU and checks it by the same rule.
-    """
-    places, offsets, total = {}, {}, 0
-    for role, t in tensors.items():
-        key = (t.data_ptr(), t.numel() * t.element_size())
-        if key not in places:
-            total = -(-total // _STAGE_ALIGN) * _STAGE_ALIGN
-            places[key] = total
-            total += key[1]
-        offsets[role] = places[key]
-    region = client.host_region(total)
-    try:
-        staged = {}
-        for role, t in tensors.items():
-            raw = torch.frombuffer(region.buffer, dtype=torch.uint8,
-                                   count=t.numel() * t.element_size(), offset=offsets[role])
-            staged[role] = raw.view(t.dtype).view(t.shape)
-            staged[role].copy_(t)
-        job_tensors = {role: (region, offsets[role]) for role in tensors}
-        if completion_mode() == "enqueue":
-            client.enqueue_ext(op, rows, cols, stream=_STAGE_KEY, **args, **job_tensors)
-            client.stream_wait(_STAGE_KEY)
-        else:  # "event" needs CUDA: the CPU backend runs it synchronously
-            client.run_ext(op, rows, cols, **args, **job_tensors)
-        outputs = _BWD_OUTPUTS if op in (Op.LAYERNORM_BWD, Op.RMSNORM_BWD) else _FWD_OUTPUTS
-        for role, t in tensors.items():
-            if role in outputs:
-                t.copy_(staged[role])
-    finally:
-        region.free()
 
 
 def _forward(client, rms, input, residual, weight, bias, shape, eps, weight_offset, *,
