@@ -192,6 +192,9 @@ static void cuda_region_release(struct region *region)
 	region_mapping_release(); /* reserved when the registration opened it (dispatch.c) */
 }
 
+/* How long a registration waits for the deferred release of a stale mapping at its address. */
+#define IPC_REMAP_WAIT_MS 2000
+
 /* Opens a handle on `device`, checking the allocation holds `size` bytes. */
 static int cuda_open_handle(int device, const uint8_t handle[64], uint64_t size,
 			    struct ipc_mapping **out, char *why, size_t why_len)
@@ -201,10 +204,27 @@ static int cuda_open_handle(int device, const uint8_t handle[64], uint64_t size,
 	void *ptr = NULL;
 	cudaSetDevice(device);
 	cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+	/*
+	 * A new allocation at the address of one this daemon still maps (freed
+	 * by the client, its region unregistered, the close deferred until its
+	 * last jobs retire) is refused as already mapped: the loop releases
+	 * such mappings within milliseconds, and this runs off the loop.
+	 */
+	for (int waited_ms = 0; err == cudaErrorAlreadyMapped && waited_ms < IPC_REMAP_WAIT_MS;
+	     waited_ms++) {
+		cudaGetLastError();
+		struct timespec pause = {0, 1000000};
+		nanosleep(&pause, NULL);
+		err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+	}
 	if (err != cudaSuccess) {
 		cudaGetLastError(); /* not sticky: clear it */
-		snprintf(why, why_len, "cannot open the CUDA IPC handle on device %d: %s", device,
-			 cudaGetErrorString(err));
+		snprintf(why, why_len, "cannot open the CUDA IPC handle on device %d: %s%s", device,
+			 cudaGetErrorString(err),
+			 err == cudaErrorAlreadyMapped
+				 ? " (memory at this address is still registered, or its jobs still "
+				   "run: free that region, and let its jobs finish, first)"
+				 : "");
 		return NC_EINVALID_ARGUMENT;
 	}
 	uint64_t real = 0;

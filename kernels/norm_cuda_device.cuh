@@ -9,6 +9,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -81,6 +82,15 @@ template <int N, typename S> __device__ __forceinline__ void load_weights(const 
 #pragma unroll
 	for (int c = 0; c < N / PER; c++)
 		unpack<S>(__ldg(reinterpret_cast<const uint4 *>(p) + c), f + c * PER);
+}
+
+/* saturate(RNE(v)) in e4m3 or e5m2; any NaN is 0x7f, as the CPU reference writes it. */
+__device__ __forceinline__ uint8_t to_fp8(float v, int fmt)
+{
+	if (isnan(v))
+		return 0x7f;
+	__nv_fp8_interpretation_t kind = fmt == NK_FP8_E4M3 ? __NV_E4M3 : __NV_E5M2;
+	return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kind);
 }
 
 /* apex's clamp_by_magnitude: |g| < eps becomes +-eps, 0 becomes +eps. */

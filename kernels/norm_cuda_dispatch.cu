@@ -67,7 +67,16 @@ Params params_of(const struct nk_norm_args *a)
 	      (a->gamma ? F_GAMMA : none) | (a->beta ? F_BETA : none) |
 	      (is_bwd(a) && a->dgamma ? F_DGAMMA : none) |
 	      (is_bwd(a) && a->dbeta ? F_DBETA : none) |
-	      (a->flags & NK_ACCUMULATE ? F_ACCUM : none);
+	      (a->flags & NK_ACCUMULATE ? F_ACCUM : none) |
+	      ((is_bwd(a) ? a->ds : a->residual) ? F_RESIDUAL : none) |
+	      (!is_bwd(a) && a->y_fp8 != NK_FP8_NONE ? F_FP8 : none);
+	p.residual = a->residual;
+	p.residual_out = a->residual_out;
+	p.ds = a->ds;
+	p.scale = a->scale;
+	p.amax = a->amax;
+	p.offset = a->weight_offset;
+	p.fp8 = a->y_fp8;
 	return p;
 }
 

@@ -72,6 +72,46 @@ __device__ __forceinline__ void load_row(const Params &p, int64_t row, bool vali
 }
 
 /*
+ * The residual add: loads the NV vectors of x and of the residual a thread
+ * owns, makes them s = x + residual rounded once, stores s to residual_out
+ * and leaves it in `out` for the norm (missing vectors stay zero). Every
+ * element is read before any is written, by the thread that owns it, so
+ * residual_out may be residual and y may be x (docs/VARIANTS.md).
+ */
+template <typename T, int NV>
+__device__ __forceinline__ void load_residual_row(const Params &p, int64_t row, bool valid,
+						  Owned o, uint4 *out)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	const int64_t off = (valid ? row : 0) * p.cols;
+	const uint4 *bx = reinterpret_cast<const uint4 *>(static_cast<const T *>(p.x) + off);
+	const uint4 *br = reinterpret_cast<const uint4 *>(static_cast<const T *>(p.residual) + off);
+	uint4 r[NV];
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		out[j] = r[j] = make_uint4(0, 0, 0, 0);
+		if (valid && has_vector<false>(p, o, j)) {
+			out[j] = load_stream(bx + o.at(j));
+			r[j] = load_stream(br + o.at(j));
+		}
+	}
+	uint4 *so = reinterpret_cast<uint4 *>(static_cast<T *>(p.residual_out) + off);
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		if (valid && has_vector<false>(p, o, j)) {
+			float a[VEC], b[VEC];
+			unpack<T>(out[j], a);
+			unpack<T>(r[j], b);
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				a[i] += b[i];
+			out[j] = pack<T>(a);
+			__stcs(so + o.at(j), out[j]);
+		}
+	}
+}
+
+/*
  * The sum over a thread's vectors of (x - m)^2: with m = 0 the sum of
  * squares. Vectors outside the row are skipped.
  */
@@ -189,15 +229,26 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
 	*rstd = rsqrtf(w[2] * p.inv_cols + p.eps);
 }
 
-/* y of vector `v` of a row (its x in `x`), rounded once and streamed to `out`. */
-template <typename T, typename W>
+/*
+ * y of vector `v` of a row (its x in `x`), rounded once and streamed to
+ * `out`. VAR: the weight is offset + gamma (in fp32), and with F_FP8 y goes
+ * to `out8` as saturate(RNE(y * scale)) FP8 bytes, |y| folded into *amax.
+ */
+template <typename T, typename W, bool VAR>
 __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
-					     const float *x, float mean, float rstd)
+					     const float *x, float mean, float rstd,
+					     uint8_t *out8 = nullptr, float scale = 1.0f,
+					     float *amax = nullptr)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	float g[VEC], b[VEC], y[VEC];
 	if (p.f & F_GAMMA) {
 		load_weights<VEC>(static_cast<const W *>(p.gamma) + v * VEC, g);
+		if (VAR) {
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				g[i] += p.offset;
+		}
 	} else {
 #pragma unroll
 		for (int i = 0; i < VEC; i++)
@@ -213,23 +264,62 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 #pragma unroll
 	for (int i = 0; i < VEC; i++)
 		y[i] = (x[i] - mean) * rstd * g[i] + b[i];
+	if (VAR && (p.f & F_FP8)) {
+		union {
+			uint8_t b[VEC];
+			unsigned u[VEC / 4];
+		} q;
+#pragma unroll
+		for (int i = 0; i < VEC; i++) {
+			*amax = fmaxf(*amax, fabsf(y[i])); /* fmaxf skips NaN */
+			q.b[i] = to_fp8(y[i] * scale, p.fp8);
+		}
+		if constexpr (VEC == 8)
+			__stcs(reinterpret_cast<uint2 *>(out8) + v, make_uint2(q.u[0], q.u[1]));
+		else
+			__stcs(reinterpret_cast<unsigned *>(out8) + v, q.u[0]);
+		return;
+	}
 	__stcs(out + v, pack<T>(y));
 }
 
 /* y of the NV vectors a thread owns (packed in `v`). */
-template <typename T, typename W, int NV, bool FULL>
+template <typename T, typename W, int NV, bool FULL, bool VAR>
 __device__ __forceinline__ void write_row(const Params &p, int64_t row, const uint4 *v, Owned o,
-					  float mean, float rstd)
+					  float mean, float rstd, float scale, float *amax)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.y) + row * p.cols);
+	uint8_t *out8 = VAR ? static_cast<uint8_t *>(p.y) + row * p.cols : nullptr;
 #pragma unroll
 	for (int j = 0; j < NV; j++) {
 		if (has_vector<FULL>(p, o, j)) {
 			float x[VEC];
 			unpack<T>(v[j], x);
-			write_vector<T, W>(p, out, o.at(j), x, mean, rstd);
+			write_vector<T, W, VAR>(p, out, o.at(j), x, mean, rstd, out8, scale, amax);
 		}
+	}
+}
+
+/*
+ * Folds the block's largest |y| into *p.amax: one atomic a block at most,
+ * none where the block's maximum does not raise it (non-negative floats
+ * order as their bits do).
+ */
+__device__ __forceinline__ void block_amax(const Params &p, float m)
+{
+	__shared__ float warp_max[MAX_THREADS / 32];
+#pragma unroll
+	for (int off = 16; off > 0; off >>= 1)
+		m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+	if ((threadIdx.x & 31) == 0)
+		warp_max[threadIdx.x >> 5] = m;
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+			m = fmaxf(m, warp_max[w]);
+		if (m > *reinterpret_cast<volatile float *>(p.amax))
+			atomicMax(reinterpret_cast<int *>(p.amax), __float_as_int(m));
 	}
 }
 
@@ -243,13 +333,15 @@ __device__ __forceinline__ void write_row(const Params &p, int64_t row, const ui
  * kernel that loaded the next row while reducing this one (BENCHMARKS.md,
  * tiled forward: the kernel).
  */
-template <typename T, typename W, int NV, bool FULL, bool LN>
-__global__ void __launch_bounds__(MAX_THREADS, 2) fwd_tiled(const Params p)
+template <typename T, typename W, int NV, bool FULL, bool LN, bool VAR>
+__global__ void __launch_bounds__(MAX_THREADS, VAR ? 1 : 2) fwd_tiled(const Params p)
 {
 	__shared__ RedSmem sm;
 	const int g = threadIdx.x / p.G, t = threadIdx.x % p.G;
 	const int rank = cluster_rank(p.K);
 	const Owned o = {rank * p.G + t, p.K * p.G};
+	const float scale = VAR && (p.f & F_FP8) ? *p.scale : 1.0f;
+	float amax = 0.0f;
 	int parity = 0;
 
 	for (int64_t it = blockIdx.x / p.K; it < p.iters; it += gridDim.x / p.K) {
@@ -258,31 +350,36 @@ __global__ void __launch_bounds__(MAX_THREADS, 2) fwd_tiled(const Params p)
 		uint4 v[NV];
 		float mean, rstd;
 
-		load_row<T, NV, FULL>(p, row, valid, o, v);
+		if (VAR && (p.f & F_RESIDUAL))
+			load_residual_row<T, NV>(p, row, valid, o, v);
+		else
+			load_row<T, NV, FULL>(p, row, valid, o, v);
 		row_stats<T, NV, FULL, LN>(p, v, o, sm, parity, &mean, &rstd);
 		if (valid) {
-			write_row<T, W, NV, FULL>(p, row, v, o, mean, rstd);
+			write_row<T, W, NV, FULL, VAR>(p, row, v, o, mean, rstd, scale, &amax);
 			if (t == 0 && rank == 0 && p.mean)
 				p.mean[row] = mean;
 			if (t == 0 && rank == 0 && p.rstd)
 				p.rstd[row] = rstd;
 		}
 	}
+	if (VAR && (p.f & F_FP8) && p.amax)
+		block_amax(p, amax);
 	cluster_done(p.K);
 }
 
 /* Most blocks a forward grid has (a 1-D grid allows 2^31 - 1); the kernel strides past them. */
 constexpr int64_t FWD_MAX_GRID = (int64_t)1 << 30;
 
-template <typename T, typename W, int NV, bool FULL>
+template <typename T, typename W, int NV, bool FULL, bool VAR = false>
 int run(const Params &p, const Shape &s, cudaStream_t stream)
 {
 	int64_t units = p.iters;
 
 	if (units > FWD_MAX_GRID / s.K)
 		units = FWD_MAX_GRID / s.K;
-	constexpr auto ln = fwd_tiled<T, W, NV, FULL, true>;
-	constexpr auto rms = fwd_tiled<T, W, NV, FULL, false>;
+	constexpr auto ln = fwd_tiled<T, W, NV, FULL, true, VAR>;
+	constexpr auto rms = fwd_tiled<T, W, NV, FULL, false, VAR>;
 	const int64_t grid = units * s.K;
 	cudaError_t err = (p.f & F_LN) ? launch_kernel(ln, grid, s.threads, s.K, stream, p)
 				       : launch_kernel(rms, grid, s.threads, s.K, stream, p);
@@ -384,7 +481,7 @@ __global__ void __maxnreg__(40) fwd_smem(const Params p)
 		for (int v = t; v < n; v += G) {
 			float x[VEC];
 			unpack<T>(cur[v], x);
-			write_vector<T, W>(p, out, v, x, mean, rstd);
+			write_vector<T, W, false>(p, out, v, x, mean, rstd);
 		}
 		if (t == 0 && p.mean)
 			p.mean[row] = mean;
@@ -459,6 +556,12 @@ int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *
 		p.nvec = (int)(a->cols / VEC);
 		return with_nv<FWD_MAX_ELEMS, VEC>(s.NV, [&](auto nv) {
 			constexpr int NV = decltype(nv)::value;
+			if (nk_norm_features(a)) { /* residual add, weight offset, FP8 output */
+				if ((p.f & F_FP8) && p.amax &&
+				    cudaMemsetAsync(p.amax, 0, sizeof(float), stream) != cudaSuccess)
+					return set_error(cudaGetLastError(), "amax reset");
+				return run<T, W, NV, false, true>(p, s, stream);
+			}
 			/*
 			 * 16-bit rows of at most a warp's lanes that fill every
 			 * thread's vectors skip the bounds checks, which ran

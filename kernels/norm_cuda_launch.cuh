@@ -29,6 +29,8 @@ enum : unsigned {
 	F_DBETA = 1u << 5,
 	F_ACCUM = 1u << 6,   /* dgamma/dbeta += */
 	F_PRESUMS = 1u << 7, /* backward: row sums come from p.sums (split rows) */
+	F_RESIDUAL = 1u << 8, /* forward: s = x + residual normalized; backward: dx += ds */
+	F_FP8 = 1u << 9,      /* forward: y in FP8 (p.fp8), scaled by *p.scale; amax */
 };
 
 /* Everything a kernel needs, passed by value. */
@@ -41,6 +43,13 @@ struct Params {
 	const void *beta;
 	const void *dy;
 	void *dx;
+	const void *residual; /* forward, F_RESIDUAL: added to x */
+	void *residual_out;   /* forward, F_RESIDUAL: s = x + residual, rounded once */
+	const void *ds;	      /* backward, F_RESIDUAL: added to dx */
+	const float *scale;   /* forward, F_FP8 */
+	float *amax;	      /* forward, F_FP8: max |y| before scaling (optional) */
+	float offset;	      /* weight = offset + gamma, in fp32 (docs/VARIANTS.md) */
+	int fp8;	      /* enum nk_fp8 of y with F_FP8 */
 	float *part;	   /* [2][part_rows][cols] dgamma, then dbeta partials */
 	const float *rg;   /* memory-efficient: [cols] 1 / clamp(gamma) */
 	float *sums;	   /* split backward: [rows][2] sum(g), sum(g * xh) */

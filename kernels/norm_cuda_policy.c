@@ -160,10 +160,19 @@ static const struct rule rules[] = {
      "a forward row wider still is shared by a cluster of blocks (sm_90)"},
     {ALL_OPS, ANY_X, EITHER,   PLAIN,    0,  1,     WIDEST, GENERIC,
      "any width and alignment: scalar loads, several passes over the row (generic)"},
-    /* Jobs that use a norm variant (docs/VARIANTS.md). */
+    /* Jobs that use a norm variant (docs/VARIANTS.md); plain jobs never come this far. */
+    {FWD,     X16,   EITHER,   VARIANTS, 0,  1,     8192,  TILED(4, 256),
+     "the tiled forward runs the variants in the pass it reads the row in, with the plain "
+     "16-bit rows' shape (norm variants: forward)"},
+    {FWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED(MOST, 256),
+     "a variant row that fits one block's registers is read from memory once "
+     "(norm variants: forward)"},
+    {FWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED_CLUSTER(MOST, 256),
+     "a variant row wider still is shared by a cluster of blocks (sm_90; norm variants: "
+     "forward)"},
     {ALL_OPS, ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, FUSED,
-     "only the fused family runs the residual add, the weight offset and FP8 output "
-     "(docs/VARIANTS.md)"},
+     "any width, alignment and device: the fused family runs every norm variant, one "
+     "element a thread at a time (docs/VARIANTS.md)"},
 };
 /* clang-format on */
 

@@ -82,8 +82,20 @@ static bool tiled_layout_ok(const struct nk_norm_args *a)
 	    !aligned16(a->beta))
 		return false;
 	if (is_bwd(a))
-		return aligned16(a->dy) && aligned16(a->dx);
-	return aligned16(a->y);
+		return aligned16(a->dy) && aligned16(a->dx) && aligned16(a->ds);
+	return aligned16(a->y) && aligned16(a->residual) && aligned16(a->residual_out);
+}
+
+/*
+ * Whether a variant of the tiled families runs the job's norm variants
+ * (docs/VARIANTS.md): the forward on a block or a cluster runs every one;
+ * the backward none yet (the fused family takes those).
+ */
+static bool tiled_runs_features(const struct nk_norm_args *a, const Shape &s)
+{
+	if (!nk_norm_features(a))
+		return true;
+	return !is_bwd(a) && !s.split;
 }
 
 static int pow2_ceil(int64_t n)
@@ -204,7 +216,7 @@ static bool tiled_fits(const struct nk_norm_args *a, const struct nk_device_info
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
 
-	if (!tiled_layout_ok(a) || v->vec_elems != vec)
+	if (!tiled_layout_ok(a) || v->vec_elems != vec || !tiled_runs_features(a, s))
 		return false;
 	if (s.NV < 1 || s.NV > max_nv(a) || (s.NV & (s.NV - 1)) != 0)
 		return false;
@@ -757,8 +769,11 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 		return 0;
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
-	if (nk_norm_features(args)) /* one family runs the norm variants: nothing to tune */
+	if (nk_norm_features(args)) { /* the norm variants: the default, and the fused family */
+		if (fused_variant(args, &v))
+			n = append_new(out, n, max, &v);
 		return n;
+	}
 	n = add_tma_candidates(args, dev, out, n, max);
 	/*
 	 * Rows of more than 128 vectors: block_smem shapes first (callers keep
@@ -802,10 +817,13 @@ bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_devic
 {
 	if (!args || !dev || !variant || variant->reserved != 0)
 		return false;
-	if ((variant->family == NK_FAMILY_FUSED) != (nk_norm_features(args) != 0))
-		return false;
+	const bool features = nk_norm_features(args) != 0;
 	if (variant->family == NK_FAMILY_FUSED)
-		return true;
+		return features;
+	const bool tiled =
+	    variant->family == NK_FAMILY_WARP_ROWS || variant->family == NK_FAMILY_BLOCK_ROW;
+	if (features && !tiled) /* only the tiled and fused families run the norm variants */
+		return false;
 	Shape s = shape_of(variant);
 	switch (variant->family) {
 	case NK_FAMILY_WARP_ROWS:

@@ -271,7 +271,7 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
  * 5: the tiled forward runs a grid of every row group at 64 registers a
  *    thread, and its defaults changed (2026-11-24).
  */
-#define NK_VARIANT_SET 5
+#define NK_VARIANT_SET 6
 
 /* Which kernel family a variant runs. */
 enum nk_variant_family {

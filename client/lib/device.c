@@ -89,14 +89,18 @@ static int device_pointer_info(const void *ptr, struct nk_cuda_pointer_info *inf
 	return 0;
 }
 
+static void device_sweep_stale(nc_conn *conn);
+
 NC_API int nc_region_register_device(nc_conn *conn, const void *ptr, nc_region **out)
 {
 	if (!conn || !ptr || !out)
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn, ptr and out must not be NULL");
 	struct nk_cuda_pointer_info info;
 	int rc = device_pointer_info(ptr, &info);
-	if (rc == 0)
-		rc = device_region_register(conn, &info, out);
+	if (rc)
+		return rc;
+	device_sweep_stale(conn);
+	rc = device_region_register(conn, &info, out);
 	if (rc == 0)
 		nc__region_track(*out);
 	return rc;
