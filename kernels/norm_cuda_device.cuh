@@ -93,6 +93,18 @@ __device__ __forceinline__ uint8_t to_fp8(float v, int fmt)
 	return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kind);
 }
 
+/* to_fp8 of two values at once (one conversion instruction on sm_89 and later). */
+__device__ __forceinline__ __nv_fp8x2_storage_t to_fp8x2(float a, float b, int fmt)
+{
+	__nv_fp8_interpretation_t kind = fmt == NK_FP8_E4M3 ? __NV_E4M3 : __NV_E5M2;
+	__nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kind);
+	if (isnan(a))
+		q = (__nv_fp8x2_storage_t)((q & 0xff00) | 0x7f);
+	if (isnan(b))
+		q = (__nv_fp8x2_storage_t)((q & 0x00ff) | 0x7f00);
+	return q;
+}
+
 /* apex's clamp_by_magnitude: |g| < eps becomes +-eps, 0 becomes +eps. */
 __device__ __forceinline__ float clamp_magnitude(float g, float eps)
 {

@@ -38,6 +38,15 @@ constexpr bool HAS_CLUSTERS = true;
 #endif
 
 /*
+ * Which norm variants a forward instance runs (docs/VARIANTS.md): none;
+ * the weight offset and FP8 output; or those and the residual add, whose
+ * second row of loads wants the registers of one block a multiprocessor
+ * (the others keep the plain kernel's two, whose warps keep more loads in
+ * flight).
+ */
+enum Var { VAR_NONE, VAR_NORM, VAR_ADD };
+
+/*
  * The vectors of a row a thread owns: j-th at first + j * step (first =
  * rank * G + t, step = K * G), fewer than nvec unless the row is short.
  */
@@ -234,7 +243,7 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
  * `out`. VAR: the weight is offset + gamma (in fp32), and with F_FP8 y goes
  * to `out8` as saturate(RNE(y * scale)) FP8 bytes, |y| folded into *amax.
  */
-template <typename T, typename W, bool VAR>
+template <typename T, typename W, int VAR>
 __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 					     const float *x, float mean, float rstd,
 					     uint8_t *out8 = nullptr, float scale = 1.0f,
@@ -266,13 +275,13 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 		y[i] = (x[i] - mean) * rstd * g[i] + b[i];
 	if (VAR && (p.f & F_FP8)) {
 		union {
-			uint8_t b[VEC];
+			__nv_fp8x2_storage_t h[VEC / 2];
 			unsigned u[VEC / 4];
 		} q;
 #pragma unroll
-		for (int i = 0; i < VEC; i++) {
-			*amax = fmaxf(*amax, fabsf(y[i])); /* fmaxf skips NaN */
-			q.b[i] = to_fp8(y[i] * scale, p.fp8);
+		for (int i = 0; i < VEC; i += 2) {
+			*amax = fmaxf(*amax, fmaxf(fabsf(y[i]), fabsf(y[i + 1]))); /* skips NaN */
+			q.h[i / 2] = to_fp8x2(y[i] * scale, y[i + 1] * scale, p.fp8);
 		}
 		if constexpr (VEC == 8)
 			__stcs(reinterpret_cast<uint2 *>(out8) + v, make_uint2(q.u[0], q.u[1]));
@@ -284,7 +293,7 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 }
 
 /* y of the NV vectors a thread owns (packed in `v`). */
-template <typename T, typename W, int NV, bool FULL, bool VAR>
+template <typename T, typename W, int NV, bool FULL, int VAR>
 __device__ __forceinline__ void write_row(const Params &p, int64_t row, const uint4 *v, Owned o,
 					  float mean, float rstd, float scale, float *amax)
 {
@@ -333,8 +342,8 @@ __device__ __forceinline__ void block_amax(const Params &p, float m)
  * kernel that loaded the next row while reducing this one (BENCHMARKS.md,
  * tiled forward: the kernel).
  */
-template <typename T, typename W, int NV, bool FULL, bool LN, bool VAR>
-__global__ void __launch_bounds__(MAX_THREADS, VAR ? 1 : 2) fwd_tiled(const Params p)
+template <typename T, typename W, int NV, bool FULL, bool LN, int VAR>
+__global__ void __launch_bounds__(MAX_THREADS, VAR == VAR_ADD ? 1 : 2) fwd_tiled(const Params p)
 {
 	__shared__ RedSmem sm;
 	const int g = threadIdx.x / p.G, t = threadIdx.x % p.G;
@@ -350,7 +359,7 @@ __global__ void __launch_bounds__(MAX_THREADS, VAR ? 1 : 2) fwd_tiled(const Para
 		uint4 v[NV];
 		float mean, rstd;
 
-		if (VAR && (p.f & F_RESIDUAL))
+		if (VAR == VAR_ADD)
 			load_residual_row<T, NV>(p, row, valid, o, v);
 		else
 			load_row<T, NV, FULL>(p, row, valid, o, v);
@@ -371,7 +380,7 @@ __global__ void __launch_bounds__(MAX_THREADS, VAR ? 1 : 2) fwd_tiled(const Para
 /* Most blocks a forward grid has (a 1-D grid allows 2^31 - 1); the kernel strides past them. */
 constexpr int64_t FWD_MAX_GRID = (int64_t)1 << 30;
 
-template <typename T, typename W, int NV, bool FULL, bool VAR = false>
+template <typename T, typename W, int NV, bool FULL, int VAR = VAR_NONE>
 int run(const Params &p, const Shape &s, cudaStream_t stream)
 {
 	int64_t units = p.iters;
@@ -481,7 +490,7 @@ __global__ void __maxnreg__(40) fwd_smem(const Params p)
 		for (int v = t; v < n; v += G) {
 			float x[VEC];
 			unpack<T>(cur[v], x);
-			write_vector<T, W, false>(p, out, v, x, mean, rstd);
+			write_vector<T, W, VAR_NONE>(p, out, v, x, mean, rstd);
 		}
 		if (t == 0 && p.mean)
 			p.mean[row] = mean;
@@ -557,10 +566,16 @@ int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *
 		return with_nv<FWD_MAX_ELEMS, VEC>(s.NV, [&](auto nv) {
 			constexpr int NV = decltype(nv)::value;
 			if (nk_norm_features(a)) { /* residual add, weight offset, FP8 output */
+				if constexpr (NV > FWD_VAR_MAX_NV)
+					return (int)NK_EUNSUPPORTED; /* tiled_fits refuses it */
+				else {
 				if ((p.f & F_FP8) && p.amax &&
 				    cudaMemsetAsync(p.amax, 0, sizeof(float), stream) != cudaSuccess)
 					return set_error(cudaGetLastError(), "amax reset");
-				return run<T, W, NV, false, true>(p, s, stream);
+				if (p.f & F_RESIDUAL)
+					return run<T, W, NV, false, VAR_ADD>(p, s, stream);
+				return run<T, W, NV, false, VAR_NORM>(p, s, stream);
+				}
 			}
 			/*
 			 * 16-bit rows of at most a warp's lanes that fill every

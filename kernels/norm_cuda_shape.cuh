@@ -63,6 +63,8 @@ Shape shape_of(const struct nk_variant *v);
  * keeps dgamma/dbeta sums) up to 2 vectors; more spills registers.
  */
 constexpr int FWD_MAX_ELEMS = 32;
+/* Vectors a thread of a forward that runs norm variants holds: more spill (fp32). */
+constexpr int FWD_VAR_MAX_NV = 4;
 constexpr int BWD_MAX_NV = 2;
 /* Elements a block_smem backward thread keeps dgamma/dbeta sums for. */
 constexpr int SMEM_BWD_MAX_ELEMS = 32;

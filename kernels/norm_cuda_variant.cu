@@ -109,7 +109,10 @@ static int pow2_ceil(int64_t n)
 /* The largest vectors-a-thread count the tiled kernels allow. */
 static int max_nv(const struct nk_norm_args *a)
 {
-	return is_bwd(a) ? BWD_MAX_NV : FWD_MAX_ELEMS / vec_of(a);
+	if (is_bwd(a))
+		return BWD_MAX_NV;
+	const int nv = FWD_MAX_ELEMS / vec_of(a);
+	return nk_norm_features(a) && nv > FWD_VAR_MAX_NV ? FWD_VAR_MAX_NV : nv;
 }
 
 /* Threads a tiled block may have for this job on this device. */
