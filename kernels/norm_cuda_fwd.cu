@@ -240,8 +240,9 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
 
 /*
  * y of vector `v` of a row (its x in `x`), rounded once and streamed to
- * `out`. VAR: the weight is offset + gamma (in fp32), and with F_FP8 y goes
- * to `out8` as saturate(RNE(y * scale)) FP8 bytes, |y| folded into *amax.
+ * `out`; the weight is offset + gamma in fp32 (the weight-offset variant,
+ * which every forward instance runs). VAR: with F_FP8 y goes to `out8` as
+ * saturate(RNE(y * scale)) FP8 bytes, |y| folded into *amax.
  */
 template <typename T, typename W, int VAR>
 __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
@@ -253,11 +254,9 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 	float g[VEC], b[VEC], y[VEC];
 	if (p.f & F_GAMMA) {
 		load_weights<VEC>(static_cast<const W *>(p.gamma) + v * VEC, g);
-		if (VAR) {
 #pragma unroll
-			for (int i = 0; i < VEC; i++)
-				g[i] += p.offset;
-		}
+		for (int i = 0; i < VEC; i++)
+			g[i] += p.offset; /* 0 but for the weight-offset variant */
 	} else {
 #pragma unroll
 		for (int i = 0; i < VEC; i++)
@@ -565,7 +564,7 @@ int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *
 		p.nvec = (int)(a->cols / VEC);
 		return with_nv<FWD_MAX_ELEMS, VEC>(s.NV, [&](auto nv) {
 			constexpr int NV = decltype(nv)::value;
-			if (nk_norm_features(a)) { /* residual add, weight offset, FP8 output */
+			if (nk_norm_features(a) & ~NK_FEATURE_WEIGHT_OFFSET) { /* residual, FP8 */
 				if constexpr (NV > FWD_VAR_MAX_NV)
 					return (int)NK_EUNSUPPORTED; /* tiled_fits refuses it */
 				else {

@@ -87,15 +87,19 @@ static bool tiled_layout_ok(const struct nk_norm_args *a)
 }
 
 /*
- * Whether a variant of the tiled families runs the job's norm variants
- * (docs/VARIANTS.md): the forward on a block or a cluster runs every one;
- * the backward none yet (the fused family takes those).
+ * The norm variants (enum nk_features, docs/VARIANTS.md) a family runs: the
+ * tiled forward every one, block_smem's forward the weight offset, the
+ * fused family every one; the other families and backward kernels none.
  */
-static bool tiled_runs_features(const struct nk_norm_args *a, const Shape &s)
+static unsigned family_features(const struct nk_norm_args *a, int family)
 {
-	if (!nk_norm_features(a))
-		return true;
-	return !is_bwd(a) && !s.split;
+	if (family == NK_FAMILY_FUSED)
+		return NK_FEATURES_ALL;
+	if (is_bwd(a))
+		return 0;
+	if (family == NK_FAMILY_WARP_ROWS || family == NK_FAMILY_BLOCK_ROW)
+		return NK_FEATURES_ALL;
+	return family == NK_FAMILY_BLOCK_SMEM ? (unsigned)NK_FEATURE_WEIGHT_OFFSET : 0u;
 }
 
 static int pow2_ceil(int64_t n)
@@ -219,7 +223,7 @@ static bool tiled_fits(const struct nk_norm_args *a, const struct nk_device_info
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
 
-	if (!tiled_layout_ok(a) || v->vec_elems != vec || !tiled_runs_features(a, s))
+	if (!tiled_layout_ok(a) || v->vec_elems != vec)
 		return false;
 	if (s.NV < 1 || s.NV > max_nv(a) || (s.NV & (s.NV - 1)) != 0)
 		return false;
@@ -820,12 +824,10 @@ bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_devic
 {
 	if (!args || !dev || !variant || variant->reserved != 0)
 		return false;
-	const bool features = nk_norm_features(args) != 0;
+	const unsigned features = nk_norm_features(args);
 	if (variant->family == NK_FAMILY_FUSED)
-		return features;
-	const bool tiled =
-	    variant->family == NK_FAMILY_WARP_ROWS || variant->family == NK_FAMILY_BLOCK_ROW;
-	if (features && !tiled) /* only the tiled and fused families run the norm variants */
+		return features != 0;
+	if (features & ~family_features(args, variant->family))
 		return false;
 	Shape s = shape_of(variant);
 	switch (variant->family) {
