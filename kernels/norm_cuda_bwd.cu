@@ -116,8 +116,10 @@ __device__ __forceinline__ void stage_weights(const Params &p, int rank, float4 
 			f[2][i] = 0.0f;
 		}
 		if (v < p.nvec) {
-			if (p.f & F_GAMMA)
+			if (p.f & F_GAMMA) {
 				load_weights<VEC>(static_cast<const W *>(p.gamma) + v * VEC, f[0]);
+				add_offset<VEC>(p, f[0]);
+			}
 			if (p.f & F_BETA)
 				load_weights<VEC>(static_cast<const W *>(p.beta) + v * VEC, f[1]);
 			load_weights<VEC>(p.rg + v * VEC, f[2]);
@@ -187,8 +189,10 @@ __device__ __forceinline__ void vector_terms(const Params &p, uint4 xr, uint4 dy
 		gm[i] = 1.0f;
 		bt[i] = 0.0f;
 	}
-	if (present && (p.f & F_GAMMA))
+	if (present && (p.f & F_GAMMA)) {
 		load_weights<VEC>(static_cast<const W *>(p.gamma) + col, gm);
+		add_offset<VEC>(p, gm);
+	}
 	if (p.f & F_MEMEFF) {
 		float rg[VEC];
 #pragma unroll
@@ -295,6 +299,16 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 #pragma unroll
 			for (int i = 0; i < VEC; i++)
 				dx[i] = cst.rstd * (gg[i] - m1 - xh[i] * m2);
+			if (p.f & F_RESIDUAL) { /* the residual add's backward: dx += ds */
+				float ds[VEC];
+				unpack<T>(load_stream(reinterpret_cast<const uint4 *>(
+						      static_cast<const T *>(p.ds) + row * p.cols) +
+						  vi[j]),
+					  ds);
+#pragma unroll
+				for (int i = 0; i < VEC; i++)
+					dx[i] += ds[i];
+			}
 			if (sums && presums) {
 				add_weight_grads<VEC>(xh, dy, ag + j * VEC, ab + j * VEC);
 			}

@@ -93,8 +93,10 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 		if (lv >= cnt)
 			continue;
 		const int64_t col = (int64_t)(lo + lv) * VEC;
-		if (p.f & F_GAMMA)
+		if (p.f & F_GAMMA) {
 			load_weights<VEC>(static_cast<const W *>(p.gamma) + col, wg);
+			add_offset<VEC>(p, wg);
+		}
 		if constexpr (MEMEFF) {
 			if (p.f & F_BETA)
 				load_weights<VEC>(static_cast<const W *>(p.beta) + col, bt + j * VEC);

@@ -105,6 +105,14 @@ __device__ __forceinline__ __nv_fp8x2_storage_t to_fp8x2(float a, float b, int f
 	return q;
 }
 
+/* The weight-offset variant: gamma + offset in fp32 (offset 0 for the plain norm). */
+template <int N> __device__ __forceinline__ void add_offset(const Params &p, float *w)
+{
+#pragma unroll
+	for (int i = 0; i < N; i++)
+		w[i] += p.offset;
+}
+
 /* apex's clamp_by_magnitude: |g| < eps becomes +-eps, 0 becomes +eps. */
 __device__ __forceinline__ float clamp_magnitude(float g, float eps)
 {

@@ -254,9 +254,7 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 	float g[VEC], b[VEC], y[VEC];
 	if (p.f & F_GAMMA) {
 		load_weights<VEC>(static_cast<const W *>(p.gamma) + v * VEC, g);
-#pragma unroll
-		for (int i = 0; i < VEC; i++)
-			g[i] += p.offset; /* 0 but for the weight-offset variant */
+		add_offset<VEC>(p, g);
 	} else {
 #pragma unroll
 		for (int i = 0; i < VEC; i++)

@@ -82,9 +82,11 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) fwd_tma(const Params p)
 				gm[e] = 1.0f;
 				bt[e] = 0.0f;
 			}
-			if (p.f & F_GAMMA)
+			if (p.f & F_GAMMA) {
 				load_weights<VEC>(static_cast<const W *>(p.gamma) + (int64_t)(lo + v) * VEC,
 						  gm);
+				add_offset<VEC>(p, gm);
+			}
 			if (p.f & F_BETA)
 				load_weights<VEC>(static_cast<const W *>(p.beta) + (int64_t)(lo + v) * VEC,
 						  bt);

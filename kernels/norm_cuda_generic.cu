@@ -40,7 +40,7 @@ __device__ __forceinline__ float xhat_at(const Params &p, int64_t row, int64_t c
 	float x = ld<T>(p.x, row * p.cols + col);
 	if (!(p.f & F_MEMEFF))
 		return (x - mean) * rstd;
-	float gm = (p.f & F_GAMMA) ? ld<W>(p.gamma, col) : 1.0f;
+	float gm = (p.f & F_GAMMA) ? ld<W>(p.gamma, col) + p.offset : 1.0f;
 	float bt = (p.f & F_BETA) ? ld<W>(p.beta, col) : 0.0f;
 	return divide(x - bt, clamp_magnitude(gm, p.eps));
 }
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(GENERIC_THREADS) fwd_generic(const Params p)
 		if (!valid)
 			continue;
 		for (int64_t c = t; c < p.cols; c += p.G) {
-			float gm = (p.f & F_GAMMA) ? ld<W>(p.gamma, c) : 1.0f;
+			float gm = (p.f & F_GAMMA) ? ld<W>(p.gamma, c) + p.offset : 1.0f;
 			float bt = (p.f & F_BETA) ? ld<W>(p.beta, c) : 0.0f;
 			float y = (ld<T>(p.x, off + c) - mean) * rstd * gm + bt;
 			static_cast<T *>(p.y)[off + c] = from_f<T>(y);
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(GENERIC_THREADS) bwd_generic(const Params p)
 		float s[2] = {0.0f, 0.0f};
 
 		for (int64_t c = t; valid && c < p.cols; c += p.G) {
-			float gm = (p.f & F_GAMMA) ? ld<W>(p.gamma, c) : 1.0f;
+			float gm = (p.f & F_GAMMA) ? ld<W>(p.gamma, c) + p.offset : 1.0f;
 			float gg = ld<T>(p.dy, off + c) * gm;
 			s[0] += gg;
 			s[1] += gg * xhat_at<T, W>(p, row, c, mean, rstd);
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(GENERIC_THREADS) bwd_generic(const Params p)
 		const float m1 = (p.f & F_LN) ? s[0] * p.inv_cols : 0.0f;
 		const float m2 = s[1] * p.inv_cols;
 		for (int64_t c = t; c < p.cols; c += p.G) {
-			float gm = (p.f & F_GAMMA) ? ld<W>(p.gamma, c) : 1.0f;
+			float gm = (p.f & F_GAMMA) ? ld<W>(p.gamma, c) + p.offset : 1.0f;
 			float gg = ld<T>(p.dy, off + c) * gm;
 			float xh = xhat_at<T, W>(p, row, c, mean, rstd);
 			static_cast<T *>(p.dx)[off + c] = from_f<T>(rstd * (gg - m1 - xh * m2));
@@ -229,26 +229,27 @@ __global__ void __launch_bounds__(256)
 	out[col] = from_f<W>(sum);
 }
 
-/* rg[c] = 1 / clamp(gamma[c]) (gamma absent: ones), IEEE division. */
+/* rg[c] = 1 / clamp(offset + gamma[c]) (gamma absent: ones), IEEE division. */
 template <typename W>
 __global__ void __launch_bounds__(256)
-    reciprocal_gamma(const W *gamma, int64_t cols, float eps, float *rg)
+    reciprocal_gamma(const W *gamma, float offset, int64_t cols, float eps, float *rg)
 {
 	const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
 	if (c < cols)
-		rg[c] = 1.0f / clamp_magnitude(gamma ? to_f(gamma[c]) : 1.0f, eps);
+		rg[c] = 1.0f / clamp_magnitude(gamma ? offset + to_f(gamma[c]) : 1.0f, eps);
 }
 
-/* Counts |gamma| < eps (gamma absent counts as ones) into *out; one block. */
+/* Counts |offset + gamma| < eps (gamma absent counts as ones) into *out; one block. */
 template <typename W>
 __global__ void __launch_bounds__(256)
-    count_clamped(const W *gamma, int64_t cols, float eps, bool memeff, uint32_t *out)
+    count_clamped(const W *gamma, float offset, int64_t cols, float eps, bool memeff,
+		  uint32_t *out)
 {
 	__shared__ unsigned warp_counts[8];
 	unsigned n = 0;
 
 	for (int64_t c = threadIdx.x; memeff && c < cols; c += blockDim.x) {
-		float g = gamma ? to_f(gamma[c]) : 1.0f;
+		float g = gamma ? offset + to_f(gamma[c]) : 1.0f;
 		n += (g >= 0.0f && g < eps) || (g < 0.0f && g > -eps);
 	}
 	for (int off = 16; off > 0; off >>= 1)
@@ -326,15 +327,16 @@ int launch_reciprocal_gamma(const struct nk_norm_args *a, float *rg, cudaStream_
 	switch (a->weight_dtype) {
 	case NK_F32:
 		reciprocal_gamma<<<blocks, 256, 0, stream>>>(static_cast<const float *>(a->gamma),
-							     a->cols, a->eps, rg);
+							     a->weight_offset, a->cols, a->eps, rg);
 		break;
 	case NK_F16:
 		reciprocal_gamma<<<blocks, 256, 0, stream>>>(static_cast<const __half *>(a->gamma),
-							     a->cols, a->eps, rg);
+							     a->weight_offset, a->cols, a->eps, rg);
 		break;
 	case NK_BF16:
 		reciprocal_gamma<<<blocks, 256, 0, stream>>>(
-		    static_cast<const __nv_bfloat16 *>(a->gamma), a->cols, a->eps, rg);
+		    static_cast<const __nv_bfloat16 *>(a->gamma), a->weight_offset, a->cols, a->eps,
+		    rg);
 		break;
 	}
 	return check_launch("reciprocal_gamma launch");
@@ -373,8 +375,8 @@ int launch_finish(const struct nk_norm_args *a, float *part, int64_t part_rows,
 		}
 		if (clamped_cols) {
 			count_clamped<W><<<1, 256, 0, stream>>>(static_cast<const W *>(a->gamma),
-								a->cols, a->eps, memeff,
-								clamped_cols);
+								a->weight_offset, a->cols, a->eps,
+								memeff, clamped_cols);
 			if (check_launch("count_clamped launch") != NK_OK)
 				return NK_EDEVICE;
 		}

@@ -58,10 +58,10 @@ enum memeff_match { EITHER, STANDARD, MEMEFF };
 /*
  * The norm variants (enum nk_features: residual add, weight offset, FP8
  * output) a rule's shape runs: a job that uses one outside them skips the
- * rule. PLAIN: none of them; OFFSET: the weight offset (every forward of the
- * tiled and block_smem families adds it to gamma).
+ * rule. PLAIN: none of them. The weight offset never decides: every family
+ * adds it to gamma where gamma is read.
  */
-enum { PLAIN = 0, OFFSET = NK_FEATURE_WEIGHT_OFFSET, VARIANTS = NK_FEATURES_ALL };
+enum { PLAIN = 0, VARIANTS = NK_FEATURES_ALL };
 
 /* The upper bound of a rule for any width. */
 #define WIDEST INT64_MAX
@@ -106,23 +106,23 @@ struct rule {
 static const struct rule rules[] = {
 /*   ops      x      memeff    runs      sm  cols from .. to     shape */
     /* Forward, 16-bit. */
-    {RMS_FWD, X16,   EITHER,   OFFSET,   0,  1025,  4096,  TILED(2, 256),
+    {RMS_FWD, X16,   EITHER,   PLAIN,    0,  1025,  4096,  TILED(2, 256),
      "two vectors a thread beat four on these RMSNorm rows "
      "(tiled forward: 16-bit RMSNorm, 1025-4096 columns)"},
-    {FWD,     X16,   EITHER,   OFFSET,   0,  1,     8192,  TILED(4, 256),
+    {FWD,     X16,   EITHER,   PLAIN,    0,  1,     8192,  TILED(4, 256),
      "four vectors a thread in blocks of 256 (four blocks a multiprocessor) beat one or two "
      "vectors and tma_slice (tiled forward: 16-bit, up to 8192 columns)"},
-    {FWD,     X16,   EITHER,   OFFSET,   0,  8193,  WIDEST, SMEM(4),
+    {FWD,     X16,   EITHER,   PLAIN,    0,  8193,  WIDEST, SMEM(4),
      "wider 16-bit rows leave the tiled kernel one or two blocks a multiprocessor, and it ran "
      "unevenly there where the staged row did not (block_smem forward: 16-bit, past 8192 columns)"},
     /* Forward, fp32. */
-    {RMS_FWD, X32,   EITHER,   OFFSET,   0,  1,     4096,  TILED(2, 256),
+    {RMS_FWD, X32,   EITHER,   PLAIN,    0,  1,     4096,  TILED(2, 256),
      "two vectors a thread ran fastest for fp32 RMSNorm rows up to 1024 vectors "
      "(tiled forward: fp32)"},
-    {LN_FWD,  X32,   EITHER,   OFFSET,   0,  1,     8192,  TILED(4, 256),
+    {LN_FWD,  X32,   EITHER,   PLAIN,    0,  1,     8192,  TILED(4, 256),
      "four vectors a thread ran fastest for fp32 LayerNorm rows up to 2048 vectors "
      "(tiled forward: fp32)"},
-    {FWD,     X32,   EITHER,   OFFSET,   0,  1,     WIDEST, TILED(MOST, 256),
+    {FWD,     X32,   EITHER,   PLAIN,    0,  1,     WIDEST, TILED(MOST, 256),
      "wider fp32 rows on one block hold the most a thread can, and keep enough bytes in flight "
      "that staging them does not pay (tiled forward: fp32)"},
     /* Backward, fp32 rows of up to 8192 columns. */
@@ -157,7 +157,7 @@ static const struct rule rules[] = {
     {BWD,     ANY_X, EITHER,   PLAIN,    0,  1,     WIDEST, TILED_SPLIT(MOST, 256),
      "a backward row wider still runs in column slices after a row-sums kernel, which beat "
      "clusters (tiled backward: rows wider than a block)"},
-    {FWD,     ANY_X, EITHER,   OFFSET,   0,  1,     WIDEST, TILED_CLUSTER(MOST, 256),
+    {FWD,     ANY_X, EITHER,   PLAIN,    0,  1,     WIDEST, TILED_CLUSTER(MOST, 256),
      "a forward row wider still is shared by a cluster of blocks (sm_90)"},
     {ALL_OPS, ANY_X, EITHER,   PLAIN,    0,  1,     WIDEST, GENERIC,
      "any width and alignment: scalar loads, several passes over the row (generic)"},
@@ -171,6 +171,11 @@ static const struct rule rules[] = {
     {FWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED_CLUSTER(MOST, 256),
      "a variant row wider still is shared by a cluster of blocks (sm_90; norm variants: "
      "forward)"},
+    {BWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED(MOST, 256),
+     "the tiled backward adds ds to dx as it stores it (norm variants: backward)"},
+    {BWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED_SPLIT(MOST, 256),
+     "a wider variant row runs in column slices after the row sums, as plain rows do "
+     "(norm variants: backward)"},
     {ALL_OPS, ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, FUSED,
      "any width, alignment and device: the fused family runs every norm variant, one "
      "element a thread at a time (docs/VARIANTS.md)"},
@@ -185,7 +190,8 @@ static bool rule_applies(const struct rule *r, const struct nk_norm_args *a,
 	const bool memeff = (a->flags & NK_MEMORY_EFFICIENT) != 0;
 	const unsigned x = nk_dtype_size(a->dtype) == 2 ? X16 : X32;
 
-	if (!(r->ops & (1u << a->op)) || !(r->x & x) || (nk_norm_features(a) & ~r->runs) != 0)
+	const unsigned runs = r->runs | NK_FEATURE_WEIGHT_OFFSET; /* every family runs it */
+	if (!(r->ops & (1u << a->op)) || !(r->x & x) || (nk_norm_features(a) & ~runs) != 0)
 		return false;
 	if ((r->memeff == STANDARD && memeff) || (r->memeff == MEMEFF && !memeff))
 		return false;

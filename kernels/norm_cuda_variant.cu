@@ -87,19 +87,17 @@ static bool tiled_layout_ok(const struct nk_norm_args *a)
 }
 
 /*
- * The norm variants (enum nk_features, docs/VARIANTS.md) a family runs: the
- * tiled forward every one, block_smem's forward the weight offset, the
- * fused family every one; the other families and backward kernels none.
+ * The norm variants (enum nk_features, docs/VARIANTS.md) a family runs:
+ * every family the weight offset (added to gamma where it is read), the
+ * tiled family the residual add (forward; backward: ds) and FP8 output, the
+ * fused family all of them anywhere.
  */
-static unsigned family_features(const struct nk_norm_args *a, int family)
+static unsigned family_features(int family)
 {
-	if (family == NK_FAMILY_FUSED)
+	if (family == NK_FAMILY_FUSED || family == NK_FAMILY_WARP_ROWS ||
+	    family == NK_FAMILY_BLOCK_ROW)
 		return NK_FEATURES_ALL;
-	if (is_bwd(a))
-		return 0;
-	if (family == NK_FAMILY_WARP_ROWS || family == NK_FAMILY_BLOCK_ROW)
-		return NK_FEATURES_ALL;
-	return family == NK_FAMILY_BLOCK_SMEM ? (unsigned)NK_FEATURE_WEIGHT_OFFSET : 0u;
+	return NK_FEATURE_WEIGHT_OFFSET;
 }
 
 static int pow2_ceil(int64_t n)
@@ -776,7 +774,7 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 		return 0;
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
-	if (nk_norm_features(args)) { /* the norm variants: the default, and the fused family */
+	if (nk_norm_features(args) & ~NK_FEATURE_WEIGHT_OFFSET) { /* and the fused family */
 		if (fused_variant(args, &v))
 			n = append_new(out, n, max, &v);
 		return n;
@@ -827,7 +825,7 @@ bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_devic
 	const unsigned features = nk_norm_features(args);
 	if (variant->family == NK_FAMILY_FUSED)
 		return features != 0;
-	if (features & ~family_features(args, variant->family))
+	if (features & ~family_features(variant->family))
 		return false;
 	Shape s = shape_of(variant);
 	switch (variant->family) {
