@@ -233,7 +233,7 @@ static void estream_pump(struct estream *es)
 			es->running = job;
 			job->status = srv->backend->submit(srv->backend, job);
 			if (job->status == NC_OK) {
-				server_job_started(srv);
+				server_job_started(srv, 0);
 				break;
 			}
 		}
@@ -270,7 +270,7 @@ void estream_push(struct estream *es, struct job *job)
 		estream_busy_add(es);
 		return;
 	}
-	server_job_started(srv);
+	server_job_started(srv, job->t_arrive_ns);
 }
 
 void estream_job_done(struct job *job)
