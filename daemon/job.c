@@ -693,7 +693,7 @@ void job_drain_completions(uv_async_t *async)
 	const char *fatal = srv->backend && srv->backend->fatal_error
 				    ? srv->backend->fatal_error(srv->backend)
 				    : NULL;
-	if (srv->busy_estreams)
+	if (srv->busy_estreams && estream_poll_due(srv))
 		estream_poll(srv);
 	if (fatal)
 		server_fail(srv, fatal);

@@ -321,6 +321,12 @@ void estream_push(struct estream *es, struct job *job);
 void estream_job_done(struct job *job);
 /* Finishes jobs whose completion the device reported; pumps waiting streams. Loop thread. */
 void estream_poll(struct server *srv);
+/*
+ * Whether the loop's per-iteration drain should call estream_poll() now:
+ * always for loop-ordered streams, at most every ESTREAM_REAP_NS for
+ * device-ordered ones (the estream timer still polls every millisecond).
+ */
+bool estream_poll_due(struct server *srv);
 /* The client is closing: release the daemon's waits on its streams. */
 void estream_abandon_all(struct client *c);
 /* Poisons a failed job's outputs in host memory (loop or worker thread). */
@@ -501,6 +507,7 @@ struct server {
 	uint64_t last_job_ns;        /* when the latest job was handed to the backend */
 	uv_timer_t estream_timer;    /* polls enqueue streams while any has jobs (estream.c) */
 	struct estream *busy_estreams; /* streams with jobs queued */
+	uint64_t estream_reaped_ns;  /* when the drain last reaped device-ordered streams */
 	_Atomic(struct job *) completed; /* finished jobs, newest first (a lock-free stack) */
 	struct client *flush_list;   /* clients with deferred replies (client_defer_room) */
 	uv_timer_t drain_timer;

@@ -74,6 +74,11 @@ void estream_poll(struct server *srv)
 {
 	(void)srv;
 }
+bool estream_poll_due(struct server *srv)
+{
+	(void)srv;
+	return false;
+}
 
 enum { ROWS = 4, COLS = 64, REGION_BYTES = 1 << 20 };
 
