@@ -801,6 +801,13 @@ static unsigned launcher_scan(struct cuda_launcher *l)
 /* Moves what the loop handed over to the waiting list; false when stopping with nothing left. */
 static bool launcher_take(struct cuda_launcher *l, bool may_sleep)
 {
+	/*
+	 * Nothing handed over and no sleep due: skip the lock, which the loop's
+	 * launcher_push would otherwise find held on every pass of the scan. A
+	 * stop is still seen: a launcher with nothing waiting soon may sleep.
+	 */
+	if (!may_sleep && atomic_load(&l->queued) == 0)
+		return true;
 	uv_mutex_lock(&l->lock);
 	while (may_sleep && !l->head && !l->stopping) {
 		l->sleeping = true;

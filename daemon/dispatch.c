@@ -236,7 +236,7 @@ static void dispatch_unregister(struct client *c, uint64_t request_id,
 	reply_result(c, request_id, NC_OK, NULL);
 }
 
-void dispatch_envelope(struct client *c, Normd__Envelope *env)
+void dispatch_envelope(struct client *c, const Normd__Envelope *env)
 {
 	uint64_t id = env->has_request_id ? env->request_id : 0;
 	Normd__Envelope__BodyCase body = env->body_case;
@@ -244,7 +244,7 @@ void dispatch_envelope(struct client *c, Normd__Envelope *env)
 		stats_count_rejection(c->srv, NC_REJECT_BEFORE_HELLO);
 		reply_result(c, id, NC_EPROTOCOL_ERROR, "the first message must be Hello; closing");
 		c->close_after_flush = true;
-		goto out;
+		return;
 	}
 	switch (body) {
 	case NORMD__ENVELOPE__BODY_HELLO:
@@ -277,6 +277,4 @@ void dispatch_envelope(struct client *c, Normd__Envelope *env)
 			     "message type %d is not a request the daemon accepts", (int)body);
 		break;
 	}
-out:
-	nc__envelope_free(env);
 }

@@ -8,8 +8,8 @@
  * 64-bit overflow; and that outputs overlap inputs only as the in-place
  * forms allow (proto/job_roles.h). Only then are region references taken
  * and the job handed to the backend, if the backend runs the job's variants.
- * Workers give finished jobs back through a mutex-protected queue and
- * uv_async_send; the loop drains the whole queue on each wake-up (libuv
+ * Workers give finished jobs back through a lock-free stack and
+ * uv_async_send; the loop drains the whole stack on each wake-up (libuv
  * coalesces wake-ups).
  */
 #include "daemon/server.h"
@@ -622,20 +622,23 @@ void job_submit(struct client *c, uint64_t request_id, const Normd__Job *msg)
 	}
 	c->jobs_in_flight++;
 	srv->jobs_in_flight++;
-	server_job_started(srv);
+	server_job_started(srv, job->t_arrive_ns);
 }
 
 void job_post_completion(struct job *job)
 {
 	struct server *srv = job->client->srv;
-	uv_mutex_lock(&srv->completion_lock);
-	if (srv->completed_tail)
-		srv->completed_tail->next = job;
-	else
-		srv->completed_head = job;
-	srv->completed_tail = job;
-	job->next = NULL;
-	uv_mutex_unlock(&srv->completion_lock);
+	/*
+	 * A lock-free push (every thread pushes, only the loop takes): a mutex
+	 * here was contended by the loop's drain on every iteration it polls, and
+	 * a contended lock costs a futex sleep and wake-up. All sequentially
+	 * consistent, so that either the loop's last drain sees this job or this
+	 * thread sees loop_polling clear (below).
+	 */
+	struct job *head = atomic_load(&srv->completed);
+	do {
+		job->next = head;
+	} while (!atomic_compare_exchange_weak(&srv->completed, &head, job));
 	/*
 	 * A polling loop drains the queue each iteration; waking it would cost
 	 * a write here and a read there. It clears loop_polling before its last
@@ -672,10 +675,16 @@ static void job_finish(struct job *job)
 void job_drain_completions(uv_async_t *async)
 {
 	struct server *srv = async->data;
-	uv_mutex_lock(&srv->completion_lock);
-	struct job *job = srv->completed_head;
-	srv->completed_head = srv->completed_tail = NULL;
-	uv_mutex_unlock(&srv->completion_lock);
+	/* The stack holds the newest first: reversed, jobs are answered in the order they finished. */
+	struct job *stack = atomic_load(&srv->completed) ? atomic_exchange(&srv->completed, NULL)
+							 : NULL;
+	struct job *job = NULL;
+	while (stack) {
+		struct job *next = stack->next;
+		stack->next = job;
+		job = stack;
+		stack = next;
+	}
 	while (job) {
 		struct job *next = job->next;
 		job_finish(job);
@@ -684,7 +693,7 @@ void job_drain_completions(uv_async_t *async)
 	const char *fatal = srv->backend && srv->backend->fatal_error
 				    ? srv->backend->fatal_error(srv->backend)
 				    : NULL;
-	if (srv->busy_estreams)
+	if (srv->busy_estreams && estream_poll_due(srv))
 		estream_poll(srv);
 	if (fatal)
 		server_fail(srv, fatal);

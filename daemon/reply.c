@@ -21,6 +21,15 @@ static void reply_send(struct client *c, Normd__Envelope *env)
 	size_t len;
 	if (c->closing)
 		return;
+	/* A small reply is packed where it waits to be written with the others (client.c). */
+	size_t body = protobuf_c_message_get_packed_size(&env->base);
+	uint8_t *room = client_defer_room(c, NC__FRAME_HEADER_BYTES + body);
+	if (room) {
+		nc__frame_pack_into(env, body, room);
+		return;
+	}
+	if (c->closing)
+		return;
 	/* Replies may exceed the client's frame limit only by our own mistake. */
 	int rc = nc__frame_pack(env, UINT32_MAX, &frame, &len);
 	if (rc) {

@@ -229,10 +229,12 @@ static void server_poll_completions(uv_idle_t *handle)
 	}
 }
 
-void server_job_started(struct server *srv)
+void server_job_started(struct server *srv, uint64_t now_ns)
 {
-	srv->last_job_ns = stats_now_ns();
-	if (srv->backend->poll_completions && !uv_is_active((uv_handle_t *)&srv->completion_poll)) {
+	if (!srv->backend->poll_completions)
+		return; /* last_job_ns only times the polling below */
+	srv->last_job_ns = now_ns ? now_ns : stats_now_ns();
+	if (!uv_is_active((uv_handle_t *)&srv->completion_poll)) {
 		uv_idle_start(&srv->completion_poll, server_poll_completions);
 		atomic_store(&srv->loop_polling, true);
 	}
@@ -258,6 +260,7 @@ static void server_trim(struct server *srv, size_t least)
 static void server_reap(uv_prepare_t *handle)
 {
 	struct server *srv = handle->data;
+	client_flush_pending(srv); /* the replies of this iteration, one send per connection */
 	struct client *c = srv->clients;
 	while (c) {
 		struct client *next = c->next;
@@ -406,8 +409,7 @@ static int server_init_access(struct server *srv)
 static int server_init_handles(struct server *srv)
 {
 	uv_loop_t *loop = srv->loop;
-	if (uv_mutex_init(&srv->completion_lock) ||
-	    uv_async_init(loop, &srv->completion_async, job_drain_completions) ||
+	if (uv_async_init(loop, &srv->completion_async, job_drain_completions) ||
 	    uv_poll_init(loop, &srv->listen_poll, srv->listen_fd) ||
 	    uv_signal_init(loop, &srv->sig_term) || uv_signal_init(loop, &srv->sig_int) ||
 	    uv_prepare_init(loop, &srv->reaper) || uv_timer_init(loop, &srv->drain_timer) ||
@@ -469,7 +471,6 @@ int server_run(const struct config *cfg, struct backend *backend)
 	while (srv.clients && client_try_free(srv.clients))
 		;
 	uv_loop_close(srv.loop);
-	uv_mutex_destroy(&srv.completion_lock);
 	notify_close();
 	log_info("event=exit code=%d", srv.exit_code);
 	return srv.exit_code;

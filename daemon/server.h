@@ -153,6 +153,9 @@ struct client {
 	struct out_chunk *out_head, *out_tail;
 	size_t out_bytes;            /* memory the output queue holds (OUT_CHUNK_COST of each block) */
 	bool output_paused;          /* backpressure: queue past max_output_bytes / 2, not reading */
+	bool flush_pending;          /* the queue holds replies not tried yet: written before the next poll */
+	bool flush_listed;           /* on the server's flush list */
+	struct client *flush_next;   /* that list */
 	struct region_table regions;
 	unsigned jobs_in_flight;
 	bool mapping;                /* a registration is being mapped off the loop: input waits */
@@ -169,6 +172,15 @@ int client_create(struct server *srv, int fd, pid_t pid, uid_t uid, gid_t gid);
 void client_close(struct client *c, const char *reason);
 /* Queues one frame (takes ownership of `bytes`). Drops the client past its cap. */
 void client_send(struct client *c, uint8_t *bytes, size_t len);
+/*
+ * Room for a small frame of `len` bytes at the end of the output queue,
+ * written with the connection's other replies before the loop next polls
+ * (client_flush_pending); NULL when the frame must go through client_send
+ * (the socket is backed up, the frame is large, or the caps say no).
+ */
+uint8_t *client_defer_room(struct client *c, size_t len);
+/* Writes every connection's deferred replies, one send per connection. Loop thread, before polling. */
+void client_flush_pending(struct server *srv);
 /*
  * Hands over the first fd that arrived with the frame being dispatched, or
  * -1 if none did. fds never wait for a later frame: those of a frame that
@@ -198,8 +210,8 @@ void reply_variants(struct client *c, uint64_t request_id);
 
 /* ---- requests (dispatch.c) --------------------------------------------------- */
 
-/* Handles one decoded envelope from `c`; takes ownership of `env`. */
-void dispatch_envelope(struct client *c, Normd__Envelope *env);
+/* Handles one decoded envelope from `c`; the caller frees `env` after. */
+void dispatch_envelope(struct client *c, const Normd__Envelope *env);
 
 /* ---- jobs (job.c) ------------------------------------------------------------ */
 
@@ -309,6 +321,12 @@ void estream_push(struct estream *es, struct job *job);
 void estream_job_done(struct job *job);
 /* Finishes jobs whose completion the device reported; pumps waiting streams. Loop thread. */
 void estream_poll(struct server *srv);
+/*
+ * Whether the loop's per-iteration drain should call estream_poll() now:
+ * always for loop-ordered streams, at most every ESTREAM_REAP_NS for
+ * device-ordered ones (the estream timer still polls every millisecond).
+ */
+bool estream_poll_due(struct server *srv);
 /* The client is closing: release the daemon's waits on its streams. */
 void estream_abandon_all(struct client *c);
 /* Poisons a failed job's outputs in host memory (loop or worker thread). */
@@ -482,15 +500,16 @@ struct server {
 	bool listen_fd_inherited;    /* from systemd: do not unlink the path */
 	uv_poll_t listen_poll;
 	uv_signal_t sig_term, sig_int;
-	uv_prepare_t reaper;         /* frees closing clients before each poll */
+	uv_prepare_t reaper;         /* before each poll: writes deferred replies, frees closing clients */
 	uv_async_t completion_async; /* workers -> loop: completed jobs */
 	uv_idle_t completion_poll;   /* polls the completion queue while jobs run */
 	atomic_bool loop_polling;    /* completion_poll is on: workers need not wake the loop */
 	uint64_t last_job_ns;        /* when the latest job was handed to the backend */
 	uv_timer_t estream_timer;    /* polls enqueue streams while any has jobs (estream.c) */
 	struct estream *busy_estreams; /* streams with jobs queued */
-	uv_mutex_t completion_lock;
-	struct job *completed_head, *completed_tail;
+	uint64_t estream_reaped_ns;  /* when the drain last reaped device-ordered streams */
+	_Atomic(struct job *) completed; /* finished jobs, newest first (a lock-free stack) */
+	struct client *flush_list;   /* clients with deferred replies (client_defer_room) */
 	uv_timer_t drain_timer;
 	uv_timer_t deadline_timer;   /* sweeps clients for overdue Hellos and frames */
 	size_t freed_since_trim;     /* client buffer bytes freed since the last malloc_trim */
@@ -515,8 +534,12 @@ struct server {
 extern struct server *server_instance;
 
 int server_run(const struct config *cfg, struct backend *backend);
-/* A job was handed to the backend: poll for completions if the backend wants. */
-void server_job_started(struct server *srv);
+/*
+ * A job was handed to the backend at `now_ns` (0: now; a job's arrival time
+ * when it is handed over as it arrives, which saves reading the clock):
+ * poll for completions if the backend wants.
+ */
+void server_job_started(struct server *srv, uint64_t now_ns);
 /*
  * Test hook, set by main() from NORMD_TEST_FAIL_ALLOC: once the server is
  * listening, allocation number N (through nc__malloc and friends) fails,

@@ -129,6 +129,15 @@ uint32_t nc__frame_length(const uint8_t header[NC__FRAME_HEADER_BYTES])
 	       (uint32_t)header[3] << 24;
 }
 
+void nc__frame_pack_into(const Normd__Envelope *env, size_t body, uint8_t *out)
+{
+	out[0] = (uint8_t)body;
+	out[1] = (uint8_t)(body >> 8);
+	out[2] = (uint8_t)(body >> 16);
+	out[3] = (uint8_t)(body >> 24);
+	protobuf_c_message_pack(&env->base, out + NC__FRAME_HEADER_BYTES);
+}
+
 int nc__frame_pack(const Normd__Envelope *env, uint32_t max_frame, uint8_t **out, size_t *len)
 {
 	size_t body = protobuf_c_message_get_packed_size(&env->base);
@@ -137,11 +146,7 @@ int nc__frame_pack(const Normd__Envelope *env, uint32_t max_frame, uint8_t **out
 	uint8_t *frame = nc__malloc(NC__FRAME_HEADER_BYTES + body);
 	if (!frame)
 		return NC_ENOMEM;
-	frame[0] = (uint8_t)body;
-	frame[1] = (uint8_t)(body >> 8);
-	frame[2] = (uint8_t)(body >> 16);
-	frame[3] = (uint8_t)(body >> 24);
-	protobuf_c_message_pack(&env->base, frame + NC__FRAME_HEADER_BYTES);
+	nc__frame_pack_into(env, body, frame);
 	*out = frame;
 	*len = NC__FRAME_HEADER_BYTES + body;
 	return 0;
@@ -153,7 +158,17 @@ struct unpack_budget {
 	size_t left;
 	bool exhausted; /* an allocation was refused for the budget */
 	bool no_memory; /* an allocation within the budget failed */
+	struct nc__unpack_arena *arena; /* drawn from first; may be NULL */
 };
+
+/* Arena allocations keep malloc's alignment. */
+#define ARENA_ALIGN 16u
+
+static bool arena_owns(const struct nc__unpack_arena *arena, const void *ptr)
+{
+	const unsigned char *p = ptr;
+	return arena && p >= arena->bytes && p < arena->bytes + arena->cap;
+}
 
 static void *budget_alloc(void *data, size_t size)
 {
@@ -164,6 +179,13 @@ static void *budget_alloc(void *data, size_t size)
 	}
 	if (budget)
 		budget->left -= size;
+	struct nc__unpack_arena *arena = budget ? budget->arena : NULL;
+	size_t rounded = (size + ARENA_ALIGN - 1) & ~(size_t)(ARENA_ALIGN - 1);
+	if (arena && rounded >= size && arena->cap - arena->used >= rounded) {
+		void *ptr = arena->bytes + arena->used;
+		arena->used += rounded;
+		return ptr;
+	}
 	void *ptr = nc__malloc(size);
 	if (!ptr && budget)
 		budget->no_memory = true;
@@ -172,27 +194,25 @@ static void *budget_alloc(void *data, size_t size)
 
 static void budget_free(void *data, void *ptr)
 {
-	(void)data;
-	nc__free(ptr);
+	const struct unpack_budget *budget = data;
+	if (!arena_owns(budget ? budget->arena : NULL, ptr))
+		nc__free(ptr);
 }
 
-/* Frees what unpacking allocated; it needs no budget. */
-static ProtobufCAllocator release_allocator = {
-	.alloc = budget_alloc,
-	.free = budget_free,
-	.allocator_data = NULL,
-};
-
-Normd__Envelope *nc__envelope_unpack(const uint8_t *body, size_t len, const char **why)
+Normd__Envelope *nc__envelope_unpack_arena(const uint8_t *body, size_t len,
+					   struct nc__unpack_arena *arena, const char **why)
 {
 	struct unpack_budget budget = {
 		.left = len * NC__UNPACK_BUDGET_FACTOR + NC__UNPACK_BUDGET_SLACK,
+		.arena = arena,
 	};
 	ProtobufCAllocator allocator = {
 		.alloc = budget_alloc,
 		.free = budget_free,
 		.allocator_data = &budget,
 	};
+	if (arena)
+		arena->used = 0;
 	Normd__Envelope *env = normd__envelope__unpack(&allocator, len, body);
 	if (!env) {
 		if (why)
@@ -204,16 +224,35 @@ Normd__Envelope *nc__envelope_unpack(const uint8_t *body, size_t len, const char
 	if (env->body_case == NORMD__ENVELOPE__BODY__NOT_SET) {
 		if (why)
 			*why = "envelope carries no message";
-		nc__envelope_free(env);
+		nc__envelope_free_arena(env, arena);
 		return NULL;
 	}
 	return env;
 }
 
+Normd__Envelope *nc__envelope_unpack(const uint8_t *body, size_t len, const char **why)
+{
+	return nc__envelope_unpack_arena(body, len, NULL, why);
+}
+
+void nc__envelope_free_arena(Normd__Envelope *env, struct nc__unpack_arena *arena)
+{
+	/* Freeing needs no budget, only the arena, whose blocks stay where they are. */
+	struct unpack_budget budget = {.arena = arena};
+	ProtobufCAllocator allocator = {
+		.alloc = budget_alloc,
+		.free = budget_free,
+		.allocator_data = &budget,
+	};
+	if (env)
+		protobuf_c_message_free_unpacked(&env->base, &allocator);
+	if (arena)
+		arena->used = 0;
+}
+
 void nc__envelope_free(Normd__Envelope *env)
 {
-	if (env)
-		protobuf_c_message_free_unpacked(&env->base, &release_allocator);
+	nc__envelope_free_arena(env, NULL);
 }
 
 /* ---- explaining a frame that does not decode ----------------------------------- */

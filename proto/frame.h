@@ -32,6 +32,11 @@ uint32_t nc__frame_length(const uint8_t header[NC__FRAME_HEADER_BYTES]);
  * NC_EINVALID_ARGUMENT if the body would exceed `max_frame`.
  */
 int nc__frame_pack(const Normd__Envelope *env, uint32_t max_frame, uint8_t **out, size_t *len);
+/*
+ * Packs `env`, whose body is `body` bytes (protobuf_c_message_get_packed_size),
+ * as a frame into `out`, which has room for NC__FRAME_HEADER_BYTES + body.
+ */
+void nc__frame_pack_into(const Normd__Envelope *env, size_t body, uint8_t *out);
 
 /*
  * Unpacks one body. Returns NULL if the bytes are not a valid Envelope, if it
@@ -42,6 +47,22 @@ int nc__frame_pack(const Normd__Envelope *env, uint32_t max_frame, uint8_t **out
 #define NC__WHY_NO_MEMORY "out of memory while decoding"
 Normd__Envelope *nc__envelope_unpack(const uint8_t *body, size_t len, const char **why);
 void nc__envelope_free(Normd__Envelope *env);
+
+/*
+ * A caller's buffer that unpacking draws from before it allocates, so that
+ * decoding a small frame calls malloc not at all (the daemon decodes every
+ * request, one at a time). One envelope at a time: the arena is reused
+ * once that one is freed with nc__envelope_free_arena().
+ */
+struct nc__unpack_arena {
+	unsigned char *bytes;
+	size_t cap, used;
+};
+/* As nc__envelope_unpack(); `arena` may be NULL (then it allocates as that does). */
+Normd__Envelope *nc__envelope_unpack_arena(const uint8_t *body, size_t len,
+					   struct nc__unpack_arena *arena, const char **why);
+/* Frees an envelope unpacked with `arena` (the same, or NULL) and empties the arena. */
+void nc__envelope_free_arena(Normd__Envelope *env, struct nc__unpack_arena *arena);
 
 /*
  * Says in one line why `body` does not decode, naming the message and field

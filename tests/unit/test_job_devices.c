@@ -33,9 +33,9 @@ void stats_count_job(struct server *srv, const struct job *job, bool ran)
 {
 	(void)srv, (void)job, (void)ran;
 }
-void server_job_started(struct server *srv)
+void server_job_started(struct server *srv, uint64_t now_ns)
 {
-	(void)srv;
+	(void)srv, (void)now_ns;
 }
 void stats_count_rejection(struct server *srv, enum nc_reject_reason reason)
 {
@@ -70,6 +70,11 @@ void estream_job_done(struct job *job)
 void estream_poll(struct server *srv)
 {
 	(void)srv;
+}
+bool estream_poll_due(struct server *srv)
+{
+	(void)srv;
+	return false;
 }
 
 enum { ROWS = 4, COLS = 256, REGION_BYTES = 1 << 20 };
