@@ -176,8 +176,12 @@ static const char *result_name(CUresult rc)
 	return name;
 }
 
-/* The mapping at `addr`: where it starts, its size and physical allocation; 0 or -1. */
-static int vmm_chunk_at(uint64_t addr, int device, struct nk_cuda_vmm_chunk *out, const char **why)
+/*
+ * The mapping at `addr`: where it starts, its size and physical allocation;
+ * 0 or -1. `first`: addr is the range's start, known to be device memory.
+ */
+static int vmm_chunk_at(uint64_t addr, int device, bool first, struct nk_cuda_vmm_chunk *out,
+			const char **why)
 {
 	/* Wider than the driver writes (zeroed, little-endian): any width reads right. */
 	uint64_t mapped = 0, base = 0, size = 0, block = 0, handle_types = 0;
@@ -190,8 +194,10 @@ static int vmm_chunk_at(uint64_t addr, int device, struct nk_cuda_vmm_chunk *out
 	void *data[] = {&mapped, &base, &size, &block, &ordinal, &handle_types};
 	if (pointer_get_attributes(sizeof(attrs) / sizeof(attrs[0]), attrs, data,
 				   (CUdeviceptr)addr) != CUDA_SUCCESS) {
-		*why = "cuPointerGetAttributes cannot describe VMM mappings (the mapping and memory "
-		       "block attributes need a driver of CUDA 12 or later)";
+		*why = first ? "cuPointerGetAttributes cannot describe VMM mappings (the mapping and "
+			       "memory block attributes need a driver of CUDA 12 or later)"
+			     : "the range runs into device addresses that are not mapped "
+			       "(cuPointerGetAttributes failed there)";
 		return -1;
 	}
 	if (!mapped || size == 0 || addr < base || addr - base >= size) {
@@ -235,7 +241,7 @@ int nk_cuda_vmm_chunks(const void *ptr, uint64_t bytes, int device, struct nk_cu
 	while (addr < end) {
 		if (n == max)
 			return (int)max + 1;
-		if (vmm_chunk_at(addr, device, &out[n], why) != 0)
+		if (vmm_chunk_at(addr, device, n == 0, &out[n], why) != 0)
 			return -1;
 		addr = out[n].base + out[n].size;
 		n++;
