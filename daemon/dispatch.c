@@ -163,7 +163,8 @@ static void register_off_loop(struct client *c, uint64_t request_id,
 	if (msg->has_handle && msg->handle.len == 64)
 		memcpy(w->handle, msg->handle.data, 64);
 	w->msg.chunk_sizes = w->chunk_sizes; /* at most NC_VMM_MAX_CHUNKS (checked) */
-	memcpy(w->chunk_sizes, msg->chunk_sizes, msg->n_chunk_sizes * sizeof(uint64_t));
+	if (msg->n_chunk_sizes) /* chunk_sizes is NULL without any */
+		memcpy(w->chunk_sizes, msg->chunk_sizes, msg->n_chunk_sizes * sizeof(uint64_t));
 	c->mapping = true;
 	if (uv_queue_work(c->srv->loop, &w->req, register_work_run, register_work_done) != 0) {
 		/* Not reached with libuv's own pool; map here rather than fail. */

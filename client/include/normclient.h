@@ -309,11 +309,11 @@ NC_API struct nc_tensor nc_tensor_at(const nc_region *region, const void *ptr);
  * memory is cached per connection by the driver's allocation id, so memory
  * freed and allocated again at the same address is registered anew. VMM
  * memory (see nc_region_register_device) is registered by the mappings
- * that cover the tensor, and a registration is reused for a tensor only
- * while every mapping the tensor touches is still the physical allocation
- * it was registered with (the driver's memory block id, address and size):
- * a chunk unmapped and created again at the same address is registered
- * anew, never served from the stale registration. Such regions belong to
+ * that cover the tensor, and a registration is reused for a tensor that
+ * lies in it only while every one of its mappings is still the physical
+ * allocation it was registered with (the driver's memory block id, address
+ * and size): a chunk unmapped and created again at the same address is
+ * registered anew, never served from the stale registration. Such regions belong to
  * the connection: whenever new memory is registered, those whose memory has
  * been freed or remapped are unregistered (so the daemon's mapping does not
  * keep freed memory alive), and nc_close() releases the rest. NULL gives

@@ -18,13 +18,14 @@
  * The hazard is a chunk unmapped and another created at the same address:
  * the daemon's import still holds the old memory, so a cached registration
  * must never serve it. The rule: a cached VMM region serves a tensor only
- * if every mapping the tensor touches is, at this call, the same mapping
- * (start, size) of the same physical allocation (the driver's memory block
- * id, unique for the process's life) as when the region was registered.
- * Chunks a tensor does not touch may have changed without harm: the job's
- * bytes, bounds-checked by the daemon, lie in the touched ones. A region
- * with any chunk changed is stale and is unregistered at the next cache
- * miss, as freed cudaMalloc allocations are.
+ * if every one of its mappings is, at this call, the same mapping (start,
+ * size) of the same physical allocation (the driver's memory block id,
+ * unique for the process's life) as when the region was registered. The
+ * touched mappings alone would make the job right (its bytes, bounds-checked
+ * by the daemon, lie in them), but a region with any chunk changed is stale,
+ * and the sweep at the next cache miss (the job's next tensor, say)
+ * unregisters it, as freed cudaMalloc allocations are: it must not be
+ * handed out first.
  */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -308,10 +309,21 @@ static bool vmm_chunks_equal(const struct nk_cuda_vmm_chunk *r, const struct nk_
 	return true;
 }
 
+/* Whether r's chunks outside [k, k + count) (those the walk did not see) are current. */
+static bool vmm_others_current(const nc_region *r, unsigned k, unsigned count)
+{
+	for (unsigned i = 0; i < r->chunk_count; i++) {
+		if ((i < k || i >= k + count) && !vmm_chunk_current(&r->chunks[i], r->device))
+			return false;
+	}
+	return true;
+}
+
 /*
  * The tensor at `ptr` in a lazily registered VMM region that holds all of
  * `chunks` (the mappings the tensor touches, as they are now) as they were
- * registered: the staleness rule at the top of this file.
+ * registered, and whose other chunks are current too: the staleness rule at
+ * the top of this file.
  */
 static bool vmm_tensor_lookup(nc_conn *conn, int device, const struct nk_cuda_vmm_chunk *chunks,
 			      unsigned count, const void *ptr, struct nc_tensor *out)
@@ -325,7 +337,8 @@ static bool vmm_tensor_lookup(nc_conn *conn, int device, const struct nk_cuda_vm
 		for (unsigned k = 0; k + count <= r->chunk_count; k++) {
 			if (r->chunks[k].base != chunks[0].base)
 				continue;
-			found = vmm_chunks_equal(&r->chunks[k], chunks, count);
+			found = vmm_chunks_equal(&r->chunks[k], chunks, count) &&
+				vmm_others_current(r, k, count);
 			break;
 		}
 		if (found) {
