@@ -125,8 +125,8 @@ def child(socket):
         """Forward and backward through normd and through torch on the same inputs."""
         g = torch.Generator(device=device).manual_seed(seed)
         rows, cols = 3 * 1024 + 5, 4096  # 48 MiB of fp32 per [rows, cols] tensor
-        # A small tensor first, so that x starts inside a chunk, not at one.
-        pad = torch.empty(4099, dtype=torch.float32, device=device)
+        # A large-pool block of 3 MiB + 4 KiB first, so that x starts inside a chunk.
+        pad = torch.empty((3 << 20) + 4096, dtype=torch.uint8, device=device)
         x = (torch.randn(rows, cols, generator=g, device=device) * 2 + 0.5).to(dtype)
         x.requires_grad_(True)
         module_type = N.FusedRMSNorm if rms else N.FusedLayerNorm
