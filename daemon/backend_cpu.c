@@ -53,23 +53,27 @@ static void cpu_run_job(struct backend_cpu *cpu, struct job *job)
 }
 
 static int cpu_region_map(struct backend *backend, struct region *twin,
-			  const Normd__RegisterRegion *msg, int fd, struct region **out, char *why,
-			  size_t why_len)
+			  const Normd__RegisterRegion *msg, const int *fds, unsigned fd_count,
+			  struct region **out, char *why, size_t why_len)
 {
 	(void)backend;
 	(void)twin;
 	if (msg->kind != NORMD__REGION_KIND__HOST_MEMFD) {
-		if (fd >= 0)
-			close(fd);
-		snprintf(why, why_len, "region kind %d is not supported by the cpu backend "
-			 "(use HOST_MEMFD)", (int)msg->kind);
+		for (unsigned i = 0; i < fd_count; i++)
+			close(fds[i]);
+		if (msg->kind == NORMD__REGION_KIND__CUDA_VMM_FD)
+			snprintf(why, why_len, "CUDA_VMM_FD regions (device memory) need the cuda "
+				 "backend; this daemon runs the cpu backend (use HOST_MEMFD)");
+		else
+			snprintf(why, why_len, "region kind %d is not supported by the cpu backend "
+				 "(use HOST_MEMFD)", (int)msg->kind);
 		return NC_EUNSUPPORTED;
 	}
-	if (fd < 0) {
+	if (fd_count == 0) {
 		snprintf(why, why_len, "HOST_MEMFD region arrived without an fd");
 		return NC_EINVALID_ARGUMENT;
 	}
-	return region_map_memfd(fd, msg->region_id, msg->size, out, why, why_len);
+	return region_map_memfd(fds[0], msg->region_id, msg->size, out, why, why_len);
 }
 
 static const struct backend_device cpu_device = {.index = -1, .name = "host"};

@@ -11,7 +11,12 @@
  * Memory: each CUDA_IPC handle is opened once per connection (regions naming
  * the same handle bytes share one mapping), with lazy peer access, after
  * checking the claimed size against the real allocation; the mapping is
- * closed when the last region and job using it are gone.
+ * closed when the last region and job using it are gone. A CUDA_VMM_FD
+ * region's chunks (cuMemCreate allocations exported as POSIX fds) are
+ * imported and mapped back to back in an address reservation of the
+ * region's own; the fds are closed at once, and the chunks are unmapped,
+ * the reservation freed and the imported handles released when the last
+ * job using the region is gone, as for IPC mappings.
  *
  * The enqueue mode (docs/ENQUEUE.md): each caller stream of a connection has
  * a stream of its own here, with its own workspace. Launcher threads
@@ -251,18 +256,109 @@ static int cuda_open_handle(int device, const uint8_t handle[64], uint64_t size,
 	return 0;
 }
 
+/* A CUDA_VMM_FD region's imported chunks, mapped back to back at `base`. */
+struct vmm_mapping {
+	int device;
+	uint64_t base;
+	unsigned count;                /* chunks, each one mapping of the cap */
+	uint64_t *sizes;               /* count of them, in storage[] */
+	uint64_t *handles;             /* imported, released at the end; in storage[] */
+	uint64_t storage[];
+};
+
+static void cuda_vmm_release(struct region *region)
+{
+	struct vmm_mapping *m = region->mapping;
+	cudaSetDevice(m->device);
+	if (nk_cuda_vmm_unmap(m->base, m->sizes, m->handles, m->count) != 0)
+		log_warn("event=vmm_unmap_failed device=%d chunks=%u", m->device, m->count);
+	region_mapping_release_n(m->count); /* reserved by the registration (dispatch.c) */
+	nc__free(m);
+}
+
+/* The status a failed import answers with. */
+static int vmm_status(int rc)
+{
+	switch (rc) {
+	case NK_VMM_TOO_LARGE:
+		return NC_EOUT_OF_RANGE;
+	case NK_VMM_NO_MEMORY:
+		return NC_ERESOURCE_EXHAUSTED;
+	case NK_VMM_NO_DRIVER:
+		return NC_EUNSUPPORTED;
+	default:
+		return NC_EINVALID_ARGUMENT;
+	}
+}
+
+/* Imports and maps a VMM region's chunks from their fds, which it closes. */
+static int cuda_vmm_open(struct backend_cuda *cuda, const Normd__RegisterRegion *msg,
+			 const int *fds, unsigned fd_count, struct region **out, char *why,
+			 size_t why_len)
+{
+	int device = msg->has_device ? msg->device : 0;
+	struct vmm_mapping *m = NULL;
+	int rc = 0;
+	if (!cuda_find_device(cuda, device)) {
+		snprintf(why, why_len, "device %d is not served by this daemon", device);
+		rc = NC_ENOT_FOUND;
+		goto out_close;
+	}
+	/* fd_count == n_chunk_sizes <= NC_VMM_MAX_CHUNKS (region_check_chunks). */
+	m = nc__calloc(1, sizeof(*m) + 2 * fd_count * sizeof(uint64_t));
+	if (!m) {
+		snprintf(why, why_len, "out of memory");
+		rc = NC_ENOMEM;
+		goto out_close;
+	}
+	m->device = device;
+	m->count = fd_count;
+	m->sizes = m->storage;
+	m->handles = m->storage + fd_count;
+	memcpy(m->sizes, msg->chunk_sizes, fd_count * sizeof(uint64_t));
+	cudaSetDevice(device);
+	int vrc = nk_cuda_vmm_import(device, fds, m->sizes, m->count, &m->base, m->handles, why,
+				     why_len);
+	if (vrc) {
+		rc = vmm_status(vrc);
+		nc__free(m);
+		goto out_close;
+	}
+	struct region *region = region_new(msg->region_id, NORMD__REGION_KIND__CUDA_VMM_FD,
+					   msg->size, device);
+	if (!region) {
+		nk_cuda_vmm_unmap(m->base, m->sizes, m->handles, m->count);
+		nc__free(m);
+		snprintf(why, why_len, "out of memory");
+		rc = NC_ENOMEM;
+		goto out_close;
+	}
+	region->base = (void *)(uintptr_t)m->base;
+	region->mapping = m;
+	region->release = cuda_vmm_release;
+	*out = region;
+out_close:
+	/* An imported chunk lives on in its handle; the fds are not needed past the import. */
+	for (unsigned i = 0; i < fd_count; i++)
+		close(fds[i]);
+	return rc;
+}
+
 static int cuda_region_map(struct backend *backend, struct region *twin,
-			   const Normd__RegisterRegion *msg, int fd, struct region **out,
-			   char *why, size_t why_len)
+			   const Normd__RegisterRegion *msg, const int *fds, unsigned fd_count,
+			   struct region **out, char *why, size_t why_len)
 {
 	struct backend_cuda *cuda = (struct backend_cuda *)backend;
-	if (msg->kind == NORMD__REGION_KIND__HOST_MEMFD && fd >= 0)
-		return region_map_memfd(fd, msg->region_id, msg->size, out, why, why_len);
-	if (fd >= 0)
-		close(fd);
+	if (msg->kind == NORMD__REGION_KIND__CUDA_VMM_FD)
+		return cuda_vmm_open(cuda, msg, fds, fd_count, out, why, why_len);
+	if (msg->kind == NORMD__REGION_KIND__HOST_MEMFD && fd_count > 0)
+		return region_map_memfd(fds[0], msg->region_id, msg->size, out, why, why_len);
+	for (unsigned i = 0; i < fd_count; i++)
+		close(fds[i]);
 	if (msg->kind != NORMD__REGION_KIND__CUDA_IPC) {
 		snprintf(why, why_len, "region kind %d is not supported by the cuda backend "
-			 "(CUDA_IPC for tensors, HOST_MEMFD with its fd for enqueue ready words)",
+			 "(CUDA_IPC or CUDA_VMM_FD for tensors, HOST_MEMFD with its fd for enqueue "
+			 "ready words)",
 			 (int)msg->kind);
 		return NC_EUNSUPPORTED;
 	}

@@ -7,11 +7,12 @@
  * (libuv's stream API cannot take them). Each received fd is tied to one
  * frame: a Unix stream socket hands fds over with the first byte of the
  * write they were sent with and ends that recvmsg() within the write, and a
- * client sends each fd with the first byte of its RegisterRegion frame, so
- * the fd belongs to the frame holding the last byte the recvmsg() returned.
- * It waits, in a small FIFO, until that frame is dispatched; if the frame
- * does not claim it (anything but a RegisterRegion of an fd kind), it is
- * closed right after, so an fd never reaches a later frame.
+ * client sends a frame's fds (one memfd, or a VMM region's chunks) with its
+ * first byte, so the fds belong to the frame holding the last byte the
+ * recvmsg() returned. They wait, in a small FIFO, until that frame is
+ * dispatched; those the frame does not claim (anything but a RegisterRegion
+ * of an fd kind, or fds past what it takes), are closed right after, so an
+ * fd never reaches a later frame.
  *
  * A client is never freed inside its own callbacks: client_close() only marks
  * it and releases what it can, and the server's before-poll hook frees it
@@ -436,17 +437,19 @@ static void client_take_fds(struct client *c, struct msghdr *msg, size_t last)
 	}
 }
 
-int client_claim_fd(struct client *c)
+unsigned client_claim_fds(struct client *c, int *fds, unsigned max)
 {
+	unsigned found = 0, kept = 0;
 	for (unsigned i = 0; i < c->pending_fd_count; i++) {
-		if (c->pending_fds[i].frame != c->dispatch_frame)
+		struct pending_fd p = c->pending_fds[i];
+		if (p.frame == c->dispatch_frame && found++ < max) {
+			fds[found - 1] = p.fd;
 			continue;
-		int fd = c->pending_fds[i].fd;
-		memmove(c->pending_fds + i, c->pending_fds + i + 1,
-			(--c->pending_fd_count - i) * sizeof(c->pending_fds[0]));
-		return fd;
+		}
+		c->pending_fds[kept++] = p; /* another frame's, or one past `max` */
 	}
-	return -1;
+	c->pending_fd_count = kept;
+	return found;
 }
 
 /* Closes the fds of frames up to and including the one at stream offset `frame`. */

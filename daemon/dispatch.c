@@ -54,14 +54,14 @@ static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__H
 
 /*
  * Files a mapped region (or reports why there is none) and answers the
- * request. `reserved`: a mapping of the daemon-wide cap was taken for it; a
- * region made from it owns it from here, and a failure gives it back.
+ * request. `reserved`: mappings of the daemon-wide cap taken for it; a
+ * region made from them owns them from here, and a failure gives them back.
  */
 static void register_finish(struct client *c, uint64_t request_id, uint64_t region_id, int rc,
-			    struct region *region, bool reserved, char *why)
+			    struct region *region, unsigned reserved, char *why)
 {
 	if (rc && reserved)
-		region_mapping_release(); /* nothing was mapped */
+		region_mapping_release_n(reserved); /* nothing was mapped */
 	if (c->closing) {
 		if (rc == 0)
 			region_unref(region); /* the client left while its memory was mapped */
@@ -100,8 +100,10 @@ struct register_work {
 	uint64_t request_id;
 	Normd__RegisterRegion msg; /* a copy: the envelope is freed meanwhile */
 	uint8_t handle[64];
-	int fd;
-	bool reserved; /* holds a mapping of the cap (register_finish) */
+	uint64_t chunk_sizes[NC_VMM_MAX_CHUNKS];
+	int fds[NC_VMM_MAX_CHUNKS]; /* the frame's, owned until region_map takes them */
+	unsigned fd_count;
+	unsigned reserved; /* mappings of the cap it holds (register_finish) */
 	int rc;
 	struct region *region;
 	char why[REGISTER_WHY_BYTES];
@@ -111,8 +113,8 @@ static void register_work_run(uv_work_t *req)
 {
 	struct register_work *w = req->data;
 	struct backend *backend = w->c->srv->backend;
-	w->rc = backend->region_map(backend, NULL, &w->msg, w->fd, &w->region, w->why,
-				    sizeof(w->why));
+	w->rc = backend->region_map(backend, NULL, &w->msg, w->fds, w->fd_count, &w->region,
+				    w->why, sizeof(w->why));
 }
 
 static void register_work_done(uv_work_t *req, int status)
@@ -128,15 +130,21 @@ static void register_work_done(uv_work_t *req, int status)
 		server_drain_check(c->srv); /* it may have waited for this registration */
 }
 
+static void close_fds(const int *fds, unsigned count)
+{
+	for (unsigned i = 0; i < count; i++)
+		close(fds[i]);
+}
+
 static void register_off_loop(struct client *c, uint64_t request_id,
-			      const Normd__RegisterRegion *msg, int fd, bool reserved)
+			      const Normd__RegisterRegion *msg, const int *fds, unsigned fd_count,
+			      unsigned reserved)
 {
 	struct register_work *w = nc__calloc(1, sizeof(*w));
 	if (!w) {
-		if (fd >= 0)
-			close(fd);
+		close_fds(fds, fd_count);
 		if (reserved)
-			region_mapping_release();
+			region_mapping_release_n(reserved);
 		stats_count_rejection(c->srv, NC_REJECT_OUT_OF_MEMORY);
 		reply_result(c, request_id, NC_ENOMEM, "region %llu: out of memory",
 			     (unsigned long long)msg->region_id);
@@ -145,7 +153,8 @@ static void register_off_loop(struct client *c, uint64_t request_id,
 	w->req.data = w;
 	w->c = c;
 	w->request_id = request_id;
-	w->fd = fd;
+	memcpy(w->fds, fds, fd_count * sizeof(int)); /* at most NC_VMM_MAX_CHUNKS (checked) */
+	w->fd_count = fd_count;
 	w->reserved = reserved;
 	w->msg = *msg;
 	w->msg.base.n_unknown_fields = 0;
@@ -153,6 +162,9 @@ static void register_off_loop(struct client *c, uint64_t request_id,
 	w->msg.handle.data = w->handle; /* read only when its length is 64 */
 	if (msg->has_handle && msg->handle.len == 64)
 		memcpy(w->handle, msg->handle.data, 64);
+	w->msg.chunk_sizes = w->chunk_sizes; /* at most NC_VMM_MAX_CHUNKS (checked) */
+	if (msg->n_chunk_sizes) /* chunk_sizes is NULL without any */
+		memcpy(w->chunk_sizes, msg->chunk_sizes, msg->n_chunk_sizes * sizeof(uint64_t));
 	c->mapping = true;
 	if (uv_queue_work(c->srv->loop, &w->req, register_work_run, register_work_done) != 0) {
 		/* Not reached with libuv's own pool; map here rather than fail. */
@@ -164,25 +176,44 @@ static void register_off_loop(struct client *c, uint64_t request_id,
 	}
 }
 
+/* The fds a registration's frame brought: HOST_MEMFD takes one, CUDA_VMM_FD one per chunk. */
+static unsigned register_claim_fds(struct client *c, const Normd__RegisterRegion *msg, int *fds)
+{
+	if (msg->kind == NORMD__REGION_KIND__HOST_MEMFD)
+		return client_claim_fds(c, fds, 1) ? 1 : 0; /* more are closed as strays */
+	if (msg->kind == NORMD__REGION_KIND__CUDA_VMM_FD)
+		return client_claim_fds(c, fds, CLIENT_MAX_PENDING_FDS);
+	return 0;
+}
+
+/* Mappings of the daemon-wide cap a new region takes: one per VMM chunk, else one. */
+static unsigned register_mappings(const Normd__RegisterRegion *msg)
+{
+	return msg->kind == NORMD__REGION_KIND__CUDA_VMM_FD ? (unsigned)msg->n_chunk_sizes : 1;
+}
+
 static void dispatch_register(struct client *c, uint64_t request_id,
 			      const Normd__RegisterRegion *msg)
 {
 	const struct config *cfg = c->srv->cfg;
-	/* Claim the fd first so that a refused request never leaves it queued. */
-	int fd = msg->kind == NORMD__REGION_KIND__HOST_MEMFD ? client_claim_fd(c) : -1;
+	/* Claim the fds first so that a refused request never leaves them queued. */
+	int fds[CLIENT_MAX_PENDING_FDS];
+	unsigned fd_count = register_claim_fds(c, msg, fds);
 	char why[REGISTER_WHY_BYTES];
 	int rc = 0;
 	enum nc_reject_reason reason = NC_REJECT_BAD_REGION;
 	struct region *twin = NULL;
-	if (msg->has_handle && msg->handle.len == 64)
+	if (msg->kind == NORMD__REGION_KIND__CUDA_IPC && msg->has_handle && msg->handle.len == 64)
 		twin = region_find_handle(&c->regions, msg->handle.data,
 					  msg->has_device ? msg->device : 0);
-	/* Every memfd is mapped anew; an IPC handle only when no region shares it. */
-	bool new_mapping = msg->kind == NORMD__REGION_KIND__HOST_MEMFD || !twin;
+	/* Every memfd and VMM region is mapped anew; an IPC handle only when no region shares it. */
+	unsigned new_mappings = twin ? 0 : register_mappings(msg);
 	if (msg->region_id == 0 || msg->size == 0) {
 		rc = NC_EINVALID_ARGUMENT;
 		snprintf(why, sizeof(why), "region_id (%llu) and size (%llu) must be non-zero",
 			 (unsigned long long)msg->region_id, (unsigned long long)msg->size);
+	} else if ((rc = region_check_chunks(msg, fd_count, why, sizeof(why))) != 0) {
+		reason = NC_REJECT_BAD_REGION;
 	} else if (region_lookup(&c->regions, msg->region_id)) {
 		rc = NC_EALREADY_EXISTS;
 		snprintf(why, sizeof(why), "region %llu is already registered",
@@ -197,7 +228,7 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 		reason = NC_REJECT_LIMIT_MAPPED_BYTES;
 		snprintf(why, sizeof(why), "size %llu would exceed max_mapped_bytes (%llu)",
 			 (unsigned long long)msg->size, (unsigned long long)cfg->max_mapped_bytes);
-	} else if (new_mapping && !region_mapping_reserve()) {
+	} else if (new_mappings && !region_mapping_reserve_n(new_mappings)) {
 		rc = NC_ERESOURCE_EXHAUSTED;
 		reason = NC_REJECT_LIMIT_MAPPINGS;
 		snprintf(why, sizeof(why),
@@ -206,20 +237,19 @@ static void dispatch_register(struct client *c, uint64_t request_id,
 			 (unsigned long long)region_mappings_cap());
 	}
 	if (rc) {
-		if (fd >= 0)
-			close(fd);
+		close_fds(fds, fd_count < CLIENT_MAX_PENDING_FDS ? fd_count : CLIENT_MAX_PENDING_FDS);
 		stats_count_rejection(c->srv, reason);
 		reply_result(c, request_id, rc, "%s", why);
 		return;
 	}
 	if (!twin) {
-		register_off_loop(c, request_id, msg, fd, new_mapping);
+		register_off_loop(c, request_id, msg, fds, fd_count, new_mappings);
 		return;
 	}
 	struct backend *backend = c->srv->backend;
 	struct region *region = NULL;
-	rc = backend->region_map(backend, twin, msg, fd, &region, why, sizeof(why));
-	register_finish(c, request_id, msg->region_id, rc, region, new_mapping, why);
+	rc = backend->region_map(backend, twin, msg, fds, fd_count, &region, why, sizeof(why));
+	register_finish(c, request_id, msg->region_id, rc, region, new_mappings, why);
 }
 
 static void dispatch_unregister(struct client *c, uint64_t request_id,

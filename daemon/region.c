@@ -8,6 +8,8 @@
  * HOST_MEMFD regions must be memfds sealed against shrinking (the daemon
  * adds F_SEAL_SHRINK itself when the client allowed sealing): otherwise the
  * client could truncate the file under a running job and fault the daemon.
+ * CUDA_VMM_FD regions come as one fd per chunk; their shape is checked here
+ * (region_check_chunks), their import is the CUDA backend's.
  */
 #include "daemon/server.h"
 
@@ -51,6 +53,21 @@ bool region_mapping_reserve(void)
 void region_mapping_release(void)
 {
 	atomic_fetch_sub(&live_mappings, 1);
+}
+
+bool region_mapping_reserve_n(unsigned n)
+{
+	uint64_t have = atomic_load(&live_mappings);
+	do {
+		if (have > max_mappings || max_mappings - have < n)
+			return false;
+	} while (!atomic_compare_exchange_weak(&live_mappings, &have, have + n));
+	return true;
+}
+
+void region_mapping_release_n(unsigned n)
+{
+	atomic_fetch_sub(&live_mappings, n);
 }
 
 uint64_t region_mappings_live(void)
@@ -239,6 +256,44 @@ void region_unref(struct region *region)
 	atomic_fetch_sub(&live_regions, 1);
 	atomic_fetch_sub(&live_bytes, region->mapped_size);
 	nc__free(region);
+}
+
+int region_check_chunks(const Normd__RegisterRegion *msg, unsigned fd_count, char *why,
+			size_t why_len)
+{
+	size_t n = msg->n_chunk_sizes;
+	if (msg->kind != NORMD__REGION_KIND__CUDA_VMM_FD) {
+		if (n == 0)
+			return 0;
+		snprintf(why, why_len, "chunk_sizes apply to CUDA_VMM_FD regions only (kind %d)",
+			 (int)msg->kind);
+		return NC_EINVALID_ARGUMENT;
+	}
+	if (n == 0 || n > NC_VMM_MAX_CHUNKS) {
+		snprintf(why, why_len, "a CUDA_VMM_FD region has 1 to %d chunks, not %zu",
+			 NC_VMM_MAX_CHUNKS, n);
+		return NC_EINVALID_ARGUMENT;
+	}
+	if (fd_count != n) {
+		snprintf(why, why_len, "the frame carried %u fds for %zu chunks (one fd per chunk)",
+			 fd_count, n);
+		return NC_EINVALID_ARGUMENT;
+	}
+	uint64_t total = 0;
+	for (size_t i = 0; i < n; i++) {
+		if (msg->chunk_sizes[i] == 0 ||
+		    __builtin_add_overflow(total, msg->chunk_sizes[i], &total)) {
+			snprintf(why, why_len, "chunk %zu has size %llu", i,
+				 (unsigned long long)msg->chunk_sizes[i]);
+			return NC_EINVALID_ARGUMENT;
+		}
+	}
+	if (total != msg->size) {
+		snprintf(why, why_len, "size %llu is not the sum of the chunk sizes (%llu)",
+			 (unsigned long long)msg->size, (unsigned long long)total);
+		return NC_EINVALID_ARGUMENT;
+	}
+	return 0;
 }
 
 struct region *region_find_handle(const struct region_table *table, const uint8_t handle[64],

@@ -33,7 +33,9 @@
 #include "normclient.h"
 #include "normd.pb-c.h"
 
-#define CLIENT_MAX_PENDING_FDS 8 /* fds received but not yet claimed by a frame */
+/* fds received but not yet claimed by a frame: one more than a VMM region's chunks, so that
+ * a frame with too many is seen as such rather than cut to size. */
+#define CLIENT_MAX_PENDING_FDS (NC_VMM_MAX_CHUNKS + 1)
 #define JOB_MAX_TENSORS 16 /* the roles of proto/job_roles.h */
 #define JOB_MAX_OUTPUTS 5  /* a forward with y, residual_out, mean, rstd and amax */
 
@@ -53,7 +55,8 @@ struct region {
 	int device;             /* CUDA device ordinal; -1: host memory */
 	unsigned refs;          /* 1 while registered + 1 per job using it */
 	uint8_t handle[64];     /* CUDA_IPC: the handle bytes it was opened from */
-	void *mapping;          /* backend-owned state shared by regions of one handle */
+	void *mapping;          /* backend-owned state: an opened IPC handle (shared by regions of
+				   one handle) or a VMM region's imported chunks */
 	uint64_t file_dev, file_ino; /* HOST_MEMFD: the memfd's identity, so that the alias
 				    check sees two registrations of one memfd as one memory */
 	void (*release)(struct region *region); /* backend unmapping; NULL for memfd */
@@ -74,6 +77,14 @@ struct region *region_lookup(const struct region_table *table, uint64_t id);
 /* Maps a host memfd region; takes ownership of `fd` in every case. */
 int region_map_memfd(int fd, uint64_t id, uint64_t size, struct region **out, char *why,
 		     size_t why_len);
+/*
+ * Checks a RegisterRegion's chunk_sizes against its kind and the fds its frame
+ * carried (`fd_count`): CUDA_VMM_FD needs 1 to NC_VMM_MAX_CHUNKS chunks, each
+ * of a non-zero size, as many fds, and sizes that add up to `size`; no other
+ * kind takes chunk_sizes. Returns 0 or NC_EINVALID_ARGUMENT with a reason.
+ */
+int region_check_chunks(const Normd__RegisterRegion *msg, unsigned fd_count, char *why,
+			size_t why_len);
 /* A CUDA_IPC region of the table opened from these handle bytes on `device`. */
 struct region *region_find_handle(const struct region_table *table, const uint8_t handle[64],
 				  int device);
@@ -102,6 +113,9 @@ uint64_t region_mappings_init(uint64_t configured);
 bool region_mapping_reserve(void);
 /* Gives one back: it was unmapped, or never made. Any thread. */
 void region_mapping_release(void);
+/* The same for `n` mappings at once (a VMM region holds one per chunk); all or none. */
+bool region_mapping_reserve_n(unsigned n);
+void region_mapping_release_n(unsigned n);
 uint64_t region_mappings_live(void);
 uint64_t region_mappings_cap(void);
 
@@ -182,11 +196,13 @@ uint8_t *client_defer_room(struct client *c, size_t len);
 /* Writes every connection's deferred replies, one send per connection. Loop thread, before polling. */
 void client_flush_pending(struct server *srv);
 /*
- * Hands over the first fd that arrived with the frame being dispatched, or
- * -1 if none did. fds never wait for a later frame: those of a frame that
- * does not claim them are closed once it has been dispatched.
+ * Hands over the fds that arrived with the frame being dispatched, in the
+ * order they were sent, at most `max` of them into fds[]; returns how many
+ * the frame brought (more than `max`: the rest stay unclaimed). fds never
+ * wait for a later frame: those of a frame that does not claim them are
+ * closed once it has been dispatched.
  */
-int client_claim_fd(struct client *c);
+unsigned client_claim_fds(struct client *c, int *fds, unsigned max);
 /* Frees a closing client once its jobs and handle are done; true if freed. */
 bool client_try_free(struct client *c);
 /* Whatever paused input (a mapping, jobs in flight, unread output) is clear: reads input again. */
@@ -362,8 +378,10 @@ struct backend {
 	int device_count;
 	bool poll_completions;       /* the loop polls for completions while jobs run */
 	/*
-	 * Maps the memory a RegisterRegion names (limits and ids are already
-	 * checked). Takes ownership of `fd` (-1 if none). `twin` is a region of
+	 * Maps the memory a RegisterRegion names (limits, ids and chunk_sizes
+	 * are already checked). Takes ownership of the `fd_count` fds its frame
+	 * brought (HOST_MEMFD: at most one; CUDA_VMM_FD: one per chunk) and
+	 * closes them in every case. `twin` is a region of
 	 * the same connection opened from the same CUDA IPC handle on the same
 	 * device, whose mapping the new region shares, or NULL. Without a twin
 	 * it runs on libuv's thread pool (opening an IPC handle takes hundreds
@@ -372,8 +390,8 @@ struct backend {
 	 * with a reason in `why`.
 	 */
 	int (*region_map)(struct backend *backend, struct region *twin,
-			  const Normd__RegisterRegion *msg, int fd, struct region **out, char *why,
-			  size_t why_len);
+			  const Normd__RegisterRegion *msg, const int *fds, unsigned fd_count,
+			  struct region **out, char *why, size_t why_len);
 	/* Queues the job; the backend later calls job_post_completion(). */
 	int (*submit)(struct backend *backend, struct job *job);
 	/* NULL while healthy; once a device is lost, why (then the daemon exits). */

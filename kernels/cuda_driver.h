@@ -20,6 +20,7 @@ struct nk_cuda_pointer_info {
 	bool managed;                /* cudaMallocManaged */
 	bool from_pool;              /* cudaMallocAsync / memory pools */
 	bool ipc_capable;            /* cudaIpcGetMemHandle works on it */
+	bool vmm_fd_capable;         /* cuMemCreate memory exportable as a POSIX fd */
 };
 
 /*
@@ -37,6 +38,64 @@ int nk_cuda_pointer_buffer_id(const void *ptr, unsigned long long *buffer_id);
 
 /* The size of the allocation that starts at `base` (as opened by IPC); -1 on failure. */
 int nk_cuda_allocation_size(const void *base, uint64_t *size, const char **why);
+
+/*
+ * VMM memory (cuMemCreate allocations mapped with cuMemMap, docs/SECURITY.md).
+ * A chunk is one mapping: one physical allocation mapped at `base`.
+ */
+struct nk_cuda_vmm_chunk {
+	uint64_t base;                /* where it is mapped in this process */
+	uint64_t size;                /* the mapping's size in bytes */
+	unsigned long long block_id;  /* the driver's id of the physical allocation,
+					 unique for the process's life */
+};
+
+/*
+ * The consecutive mappings that cover [ptr, ptr + bytes) (bytes >= 1), each
+ * on `device` and exportable as a POSIX fd, into out[0..max). Returns their
+ * count, max + 1 when more than max would be needed (out then holds the
+ * first max), or -1 with a static reason in *why (no driver, an address
+ * that is not mapped, a chunk not exportable as an fd or on another device).
+ */
+int nk_cuda_vmm_chunks(const void *ptr, uint64_t bytes, int device, struct nk_cuda_vmm_chunk *out,
+		       unsigned max, const char **why);
+
+/*
+ * A POSIX fd for the allocation mapped at `base` (cuMemRetainAllocationHandle,
+ * cuMemExportToShareableHandle, cuMemRelease); the caller closes it. Returns
+ * 0, or -1 with a static reason in *why.
+ */
+int nk_cuda_vmm_export(uint64_t base, int *fd, const char **why);
+
+/* Why nk_cuda_vmm_import failed, for the status the daemon answers with. */
+enum nk_vmm_error {
+	NK_VMM_BAD_CHUNK = -1,  /* an fd or a size the driver refuses (the client's mistake) */
+	NK_VMM_TOO_LARGE = -2,  /* a size larger than the chunk's allocation */
+	NK_VMM_NO_MEMORY = -3,  /* no address space or memory for the mapping */
+	NK_VMM_NO_DRIVER = -4,  /* the driver lacks the VMM calls */
+};
+
+/*
+ * Imports `count` chunks from POSIX fds (sizes[i] bytes each, in order) and
+ * maps them back to back on `device` with read and write access: one address
+ * reservation of their sum, each chunk mapped at its offset. The fds stay
+ * the caller's. Checks each size against the device's allocation
+ * granularity and each chunk's device. On success *base is where the memory
+ * starts and handles[i] each chunk's imported handle, both for
+ * nk_cuda_vmm_unmap(). Returns 0 or an nk_vmm_error with a reason in `why`;
+ * a failure leaves nothing mapped, reserved or imported. The calling thread
+ * must have `device`'s primary context current (cudaSetDevice).
+ */
+int nk_cuda_vmm_import(int device, const int *fds, const uint64_t *sizes, unsigned count,
+		       uint64_t *base, uint64_t *handles, char *why, size_t why_len);
+
+/*
+ * Undoes nk_cuda_vmm_import(): unmaps each chunk, frees the reservation and
+ * releases the handles. Returns 0, or -1 if a driver call failed (what
+ * could be undone still was).
+ */
+int nk_cuda_vmm_unmap(uint64_t base, const uint64_t *sizes, const uint64_t *handles,
+		      unsigned count);
 
 /*
  * Stream memory operations of the enqueue mode (docs/ENQUEUE.md), on 32-bit

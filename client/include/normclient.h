@@ -147,17 +147,39 @@ NC_API int nc_region_register_fd(nc_conn *conn, int fd, size_t size, nc_region *
 NC_API int nc_region_free(nc_region *region);
 
 /*
- * Registers the cudaMalloc allocation that contains device pointer `ptr`
- * (CUDA backend): the library finds the allocation's base and size, exports
- * a CUDA IPC handle for it and registers it once. Tensors are offsets from
- * the base (nc_tensor_at with device pointers works). Supported: memory from
- * cudaMalloc (and allocators built on it, such as PyTorch's caching
- * allocator without expandable segments). Refused with NC_EUNSUPPORTED and a
- * message: cudaMallocAsync/memory-pool memory, managed memory, and
- * cuMemCreate (VMM) memory, which CUDA IPC cannot export. The daemon must
- * not run in the calling process. Free with nc_region_free().
+ * Registers the device memory that contains device pointer `ptr` (CUDA
+ * backend) and returns it as a region; tensors are offsets from its start
+ * (nc_tensor_at with device pointers works). Two kinds of memory:
+ * - cudaMalloc memory (and allocators built on it, such as PyTorch's caching
+ *   allocator): the whole allocation, exported as a CUDA IPC handle of its
+ *   base. The daemon must not run in the calling process.
+ * - VMM memory (cuMemCreate allocations mapped with cuMemMap, such as
+ *   PyTorch's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) created with
+ *   the POSIX file descriptor handle type: the one mapping that contains
+ *   `ptr` (nc_region_register_device_range for more), each mapping exported
+ *   as a POSIX fd and mapped by the daemon as it is here. The region starts
+ *   at the mapping's start.
+ * Refused with NC_EUNSUPPORTED and a message: cudaMallocAsync/memory-pool
+ * memory, managed memory, and VMM memory that cannot be exported as a POSIX
+ * fd. Free with nc_region_free().
  */
 NC_API int nc_region_register_device(nc_conn *conn, const void *ptr, nc_region **out);
+
+/* Most VMM mappings (cuMemCreate chunks) one region may span. */
+#define NC_VMM_MAX_CHUNKS 64
+
+/*
+ * nc_region_register_device() for the `bytes` bytes from `ptr`: cudaMalloc
+ * memory registers the whole allocation (the range must lie inside it); VMM
+ * memory registers the consecutive mappings that cover [ptr, ptr + bytes),
+ * at most NC_VMM_MAX_CHUNKS of them (more: NC_EUNSUPPORTED, saying how many;
+ * a range that runs into unmapped addresses: NC_EINVALID_ARGUMENT). The
+ * region must not outlive those mappings' use: the daemon keeps the memory
+ * mapped (and so allocated) until the region is freed.
+ */
+NC_API int nc_region_register_device_range(nc_conn *conn, const void *ptr, size_t bytes,
+					   nc_region **out);
+
 
 NC_API void *nc_region_data(const nc_region *region); /* local mapping */
 NC_API size_t nc_region_size(const nc_region *region);
@@ -282,16 +304,32 @@ NC_API uint32_t nc_server_norm_features(const nc_conn *conn);
 NC_API struct nc_tensor nc_tensor_at(const nc_region *region, const void *ptr);
 
 /*
- * The tensor for device pointer `ptr`, registering its allocation on first
- * use; later calls for the same allocation reuse that registration (cached
- * per connection by the driver's allocation id, so memory freed and
- * allocated again at the same address is registered anew). Such regions
- * belong to the connection: whenever a new allocation is registered, those
- * whose allocation has been freed are unregistered (so the daemon's mapping
- * does not keep freed memory alive), and nc_close() releases the rest. NULL
- * gives the absent tensor. Any thread.
+ * The tensor for device pointer `ptr`, registering its memory on first use;
+ * later calls for the same memory reuse that registration. cudaMalloc
+ * memory is cached per connection by the driver's allocation id, so memory
+ * freed and allocated again at the same address is registered anew. VMM
+ * memory (see nc_region_register_device) is registered by the mappings
+ * that cover the tensor, and a registration is reused for a tensor that
+ * lies in it only while every one of its mappings is still the physical
+ * allocation it was registered with (the driver's memory block id, address
+ * and size): a chunk unmapped and created again at the same address is
+ * registered anew, never served from the stale registration. Such regions belong to
+ * the connection: whenever new memory is registered, those whose memory has
+ * been freed or remapped are unregistered (so the daemon's mapping does not
+ * keep freed memory alive), and nc_close() releases the rest. NULL gives
+ * the absent tensor. Any thread. nc_tensor_device() knows only the tensor's
+ * first byte: for VMM memory, where a tensor may span several mappings,
+ * use nc_tensor_device_range().
  */
 NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *out);
+
+/*
+ * nc_tensor_device() for a tensor of `bytes` bytes at `ptr` (0 counts as 1):
+ * the registration it returns covers all of them. Errors as
+ * nc_region_register_device_range()'s. Any thread.
+ */
+NC_API int nc_tensor_device_range(nc_conn *conn, const void *ptr, size_t bytes,
+				  struct nc_tensor *out);
 
 struct nc_job_result {
 	int status;            /* NC_OK or a negative NC_E* code */
@@ -414,7 +452,8 @@ NC_API int nc_job_enqueue_ext(nc_conn *conn, const struct nc_job *job,
  * nc_job_enqueue() of a job whose tensors are CUDA device pointers, in one
  * call: ptrs[i] names the tensor of the i-th field of struct nc_job in the
  * order of NC_JOB_TENSORS (x first, main_grad last) and is resolved as
- * nc_tensor_device() resolves it (its allocation registered on first use);
+ * nc_tensor_device_range() resolves it, with the bytes the job's op, shape
+ * and dtypes give that role (its memory registered on first use);
  * a NULL entry keeps the tensor `job` has there (region 0: absent). `job`
  * itself is not changed. For callers that pay per call, such as a binding
  * from an interpreter. Errors: those of nc_tensor_device(), the message

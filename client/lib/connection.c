@@ -126,25 +126,26 @@ static void request_abandon(nc_conn *conn, uint64_t request_id)
 
 /* ---- sending ------------------------------------------------------------------------ */
 
-static int send_all(int fd, const uint8_t *bytes, size_t len, int pass_fd)
+static int send_all(int fd, const uint8_t *bytes, size_t len, const int *pass_fds,
+		    unsigned pass_count)
 {
 	size_t sent = 0;
 	while (sent < len) {
 		struct iovec iov = {.iov_base = (void *)(bytes + sent), .iov_len = len - sent};
 		union {
-			char buf[CMSG_SPACE(sizeof(int))];
+			char buf[CMSG_SPACE(sizeof(int) * NC_VMM_MAX_CHUNKS)];
 			struct cmsghdr align;
 		} control;
 		struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
-		if (pass_fd >= 0 && sent == 0) {
-			/* The fd travels with the first bytes of its frame. */
+		if (pass_count > 0 && sent == 0) {
+			/* The fds travel with the first bytes of their frame. */
 			msg.msg_control = control.buf;
-			msg.msg_controllen = sizeof(control.buf);
+			msg.msg_controllen = CMSG_SPACE(sizeof(int) * pass_count);
 			struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
 			cm->cmsg_level = SOL_SOCKET;
 			cm->cmsg_type = SCM_RIGHTS;
-			cm->cmsg_len = CMSG_LEN(sizeof(int));
-			memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
+			cm->cmsg_len = CMSG_LEN(sizeof(int) * pass_count);
+			memcpy(CMSG_DATA(cm), pass_fds, sizeof(int) * pass_count);
 		}
 		ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
 		if (n < 0 && errno == EINTR)
@@ -156,8 +157,12 @@ static int send_all(int fd, const uint8_t *bytes, size_t len, int pass_fd)
 	return 0;
 }
 
-int nc__send(nc_conn *conn, const Normd__Envelope *env, int fd)
+/* Sends one envelope with `count` fds (at most NC_VMM_MAX_CHUNKS) attached to its first byte. */
+static int send_fds(nc_conn *conn, const Normd__Envelope *env, const int *fds, unsigned count)
 {
+	if (count > NC_VMM_MAX_CHUNKS)
+		return nc__fail(NC_EINVALID_ARGUMENT, "%u fds for one frame; at most %d", count,
+				NC_VMM_MAX_CHUNKS);
 	uint8_t *frame;
 	size_t len;
 	int rc = nc__frame_pack(env, conn->info.max_frame, &frame, &len);
@@ -168,10 +173,15 @@ int nc__send(nc_conn *conn, const Normd__Envelope *env, int fd)
 		return nc__fail(rc, "out of memory packing a request");
 	pthread_mutex_lock(&conn->send_lock);
 	rc = conn->broken ? nc__fail(conn->broken, "%s", conn->broken_message)
-			  : send_all(conn->fd, frame, len, fd);
+			  : send_all(conn->fd, frame, len, fds, count);
 	pthread_mutex_unlock(&conn->send_lock);
 	nc__free(frame);
 	return rc;
+}
+
+int nc__send(nc_conn *conn, const Normd__Envelope *env, int fd)
+{
+	return send_fds(conn, env, &fd, fd >= 0 ? 1 : 0);
 }
 
 /* ---- receiving ---------------------------------------------------------------------- */
@@ -415,7 +425,9 @@ int nc__await(nc_conn *conn, uint64_t request_id, int timeout_ms, Normd__Envelop
 	return rc;
 }
 
-int nc__submit(nc_conn *conn, Normd__Envelope *env, int fd, uint64_t *request_id)
+/* nc__submit with `count` fds attached to the frame. */
+static int submit_fds(nc_conn *conn, Normd__Envelope *env, const int *fds, unsigned count,
+		      uint64_t *request_id)
 {
 	uint64_t id = 0;
 	int rc = request_begin(conn, &id);
@@ -423,13 +435,18 @@ int nc__submit(nc_conn *conn, Normd__Envelope *env, int fd, uint64_t *request_id
 		return rc;
 	env->has_request_id = true;
 	env->request_id = id;
-	rc = nc__send(conn, env, fd);
+	rc = send_fds(conn, env, fds, count);
 	if (rc) {
 		request_abandon(conn, id);
 		return rc;
 	}
 	*request_id = id;
 	return 0;
+}
+
+int nc__submit(nc_conn *conn, Normd__Envelope *env, int fd, uint64_t *request_id)
+{
+	return submit_fds(conn, env, &fd, fd >= 0 ? 1 : 0, request_id);
 }
 
 int nc__call(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms,
@@ -440,10 +457,14 @@ int nc__call(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms,
 	return rc ? rc : nc__await(conn, id, timeout_ms, reply);
 }
 
-int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms)
+int nc__call_result_fds(nc_conn *conn, Normd__Envelope *env, const int *fds, unsigned count,
+			int timeout_ms)
 {
 	Normd__Envelope *reply;
-	int rc = nc__call(conn, env, fd, timeout_ms, &reply);
+	uint64_t id = 0;
+	int rc = submit_fds(conn, env, fds, count, &id);
+	if (rc == 0)
+		rc = nc__await(conn, id, timeout_ms, &reply);
 	if (rc)
 		return rc;
 	if (reply->body_case != NORMD__ENVELOPE__BODY_RESULT) {
@@ -455,6 +476,11 @@ int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms)
 	}
 	nc__envelope_free(reply);
 	return rc;
+}
+
+int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms)
+{
+	return nc__call_result_fds(conn, env, &fd, fd >= 0 ? 1 : 0, timeout_ms);
 }
 
 int nc__call_expect(nc_conn *conn, Normd__Envelope *env, int timeout_ms,

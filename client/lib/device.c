@@ -1,15 +1,31 @@
 /*
  * Device memory (CUDA backend): registering a cudaMalloc allocation through
- * a CUDA IPC handle, the per-connection cache that registers allocations on
- * first use, enqueueing a job named by device pointers, and running a job in
- * order with a caller's stream.
+ * a CUDA IPC handle or VMM mappings through POSIX fds, the per-connection
+ * cache that registers memory on first use, enqueueing a job named by
+ * device pointers, and running a job in order with a caller's stream.
  *
- * The allocation is found from any pointer inside it with the driver's
- * pointer attributes (reached through the runtime, never by linking
- * libcuda); the handle names the allocation's base and tensors are offsets
- * from it. The cache is keyed by the driver's buffer id, which is never
- * reused, so a buffer freed and allocated again at the same address is
- * registered again (its handle differs).
+ * The memory is found from any pointer inside it with the driver's pointer
+ * attributes (reached through the runtime, never by linking libcuda).
+ * cudaMalloc memory: the handle names the allocation's base and tensors are
+ * offsets from it; the cache is keyed by the driver's buffer id, which is
+ * never reused, so a buffer freed and allocated again at the same address
+ * is registered again (its handle differs).
+ *
+ * VMM memory (cuMemCreate chunks mapped back to back, as PyTorch's
+ * expandable segments are): a region is the consecutive mappings that cover
+ * the tensor that asked for it, each exported as a POSIX fd, all sent in one
+ * RegisterRegion frame; tensors are offsets from the first mapping's start.
+ * The hazard is a chunk unmapped and another created at the same address:
+ * the daemon's import still holds the old memory, so a cached registration
+ * must never serve it. The rule: a cached VMM region serves a tensor only
+ * if every one of its mappings is, at this call, the same mapping (start,
+ * size) of the same physical allocation (the driver's memory block id,
+ * unique for the process's life) as when the region was registered. The
+ * touched mappings alone would make the job right (its bytes, bounds-checked
+ * by the daemon, lie in them), but a region with any chunk changed is stale,
+ * and the sweep at the next cache miss (the job's next tensor, say)
+ * unregisters it, as freed cudaMalloc allocations are: it must not be
+ * handed out first.
  */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -81,17 +97,118 @@ static int device_pointer_info(const void *ptr, struct nk_cuda_pointer_info *inf
 				"pointer %p comes from a memory pool (cudaMallocAsync), which CUDA "
 				"IPC cannot export; use cudaMalloc",
 				ptr);
-	if (!info->ipc_capable)
+	if (!info->ipc_capable && !info->vmm_fd_capable)
 		return nc__fail(NC_EUNSUPPORTED,
-				"pointer %p is not exportable with cudaIpcGetMemHandle (VMM/cuMemCreate "
-				"memory?); use cudaMalloc",
+				"pointer %p is neither cudaMalloc memory (CUDA IPC) nor VMM memory "
+				"created with the POSIX file descriptor handle type "
+				"(cuMemCreate's requestedHandleTypes); use cudaMalloc",
 				ptr);
 	return 0;
 }
 
 static void device_sweep_stale(nc_conn *conn);
 
-NC_API int nc_region_register_device(nc_conn *conn, const void *ptr, nc_region **out)
+/* The mappings covering [ptr, ptr + bytes) into chunks[]; their count, or a negative NC_E*. */
+static int vmm_walk(const void *ptr, size_t bytes, int device,
+		    struct nk_cuda_vmm_chunk chunks[NC_VMM_MAX_CHUNKS])
+{
+	const char *why = NULL;
+	int n = nk_cuda_vmm_chunks(ptr, bytes, device, chunks, NC_VMM_MAX_CHUNKS, &why);
+	if (n < 0)
+		return nc__fail(NC_EINVALID_ARGUMENT, "VMM memory at %p (%zu bytes): %s", ptr, bytes,
+				why);
+	if (n > NC_VMM_MAX_CHUNKS)
+		return nc__fail(NC_EUNSUPPORTED,
+				"VMM memory at %p (%zu bytes) spans more than %d mappings (chunks of "
+				"%llu bytes); normd registers at most %d per region",
+				ptr, bytes, NC_VMM_MAX_CHUNKS, (unsigned long long)chunks[0].size,
+				NC_VMM_MAX_CHUNKS);
+	return n;
+}
+
+/* Exports each chunk as a POSIX fd and registers them as one CUDA_VMM_FD region. */
+static int vmm_region_register(nc_conn *conn, int device, const struct nk_cuda_vmm_chunk *chunks,
+			       unsigned count, nc_region **out)
+{
+	int fds[NC_VMM_MAX_CHUNKS];
+	uint64_t sizes[NC_VMM_MAX_CHUNKS], total = 0;
+	unsigned exported = 0;
+	int rc = 0;
+	nc_region *region = nc__calloc(1, sizeof(*region));
+	struct nk_cuda_vmm_chunk *copy = nc__calloc(count, sizeof(*copy));
+	if (!region || !copy) {
+		rc = nc__fail(NC_ENOMEM, "out of memory for a region");
+		goto out;
+	}
+	for (; exported < count; exported++) {
+		const char *why = NULL;
+		if (nk_cuda_vmm_export(chunks[exported].base, &fds[exported], &why) != 0) {
+			rc = nc__fail(NC_EUNSUPPORTED, "VMM chunk at 0x%llx: %s",
+				      (unsigned long long)chunks[exported].base, why);
+			goto out;
+		}
+		sizes[exported] = chunks[exported].size;
+		total += chunks[exported].size;
+	}
+	memcpy(copy, chunks, count * sizeof(*copy));
+	pthread_mutex_lock(&conn->lock);
+	region->id = ++conn->next_region_id;
+	pthread_mutex_unlock(&conn->lock);
+	region->conn = conn;
+	region->data = (void *)(uintptr_t)chunks[0].base;
+	region->size = (size_t)total;
+	region->device = device;
+	region->chunk_count = count;
+	region->chunks = copy;
+
+	Normd__RegisterRegion reg = NORMD__REGISTER_REGION__INIT;
+	reg.region_id = region->id;
+	reg.kind = NORMD__REGION_KIND__CUDA_VMM_FD;
+	reg.has_device = true;
+	reg.device = device;
+	reg.size = total;
+	reg.n_chunk_sizes = count;
+	reg.chunk_sizes = sizes;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.body_case = NORMD__ENVELOPE__BODY_REGISTER_REGION;
+	env.register_region = &reg;
+	rc = nc__call_result_fds(conn, &env, fds, count, NC__REGION_TIMEOUT_MS);
+out:
+	/* The daemon has its own copies of the fds (or never will): ours go now. */
+	for (unsigned i = 0; i < exported; i++)
+		close(fds[i]);
+	if (rc) {
+		nc__free(copy);
+		nc__free(region);
+		return rc;
+	}
+	*out = region;
+	return 0;
+}
+
+/* Registers the memory holding [ptr, ptr + bytes), described by `info`. */
+static int device_register_range(nc_conn *conn, const void *ptr, size_t bytes,
+				 const struct nk_cuda_pointer_info *info, nc_region **out)
+{
+	uint64_t start = (uint64_t)(uintptr_t)ptr;
+	if (info->ipc_capable) {
+		if (bytes > info->size - (start - info->base))
+			return nc__fail(NC_EINVALID_ARGUMENT,
+					"%zu bytes at %p run past the cudaMalloc allocation "
+					"(%llu bytes at 0x%llx)",
+					bytes, ptr, (unsigned long long)info->size,
+					(unsigned long long)info->base);
+		return device_region_register(conn, info, out);
+	}
+	struct nk_cuda_vmm_chunk chunks[NC_VMM_MAX_CHUNKS];
+	int n = vmm_walk(ptr, bytes, info->device, chunks);
+	if (n < 0)
+		return n;
+	return vmm_region_register(conn, info->device, chunks, (unsigned)n, out);
+}
+
+NC_API int nc_region_register_device_range(nc_conn *conn, const void *ptr, size_t bytes,
+					   nc_region **out)
 {
 	if (!conn || !ptr || !out)
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn, ptr and out must not be NULL");
@@ -100,16 +217,47 @@ NC_API int nc_region_register_device(nc_conn *conn, const void *ptr, nc_region *
 	if (rc)
 		return rc;
 	device_sweep_stale(conn);
-	rc = device_region_register(conn, &info, out);
+	rc = device_register_range(conn, ptr, bytes ? bytes : 1, &info, out);
 	if (rc == 0)
 		nc__region_track(*out);
 	return rc;
 }
 
+NC_API int nc_region_register_device(nc_conn *conn, const void *ptr, nc_region **out)
+{
+	return nc_region_register_device_range(conn, ptr, 1, out);
+}
+
+/* Whether the chunk registered as `c` is still mapped at its place with the same memory. */
+static bool vmm_chunk_current(const struct nk_cuda_vmm_chunk *c, int device)
+{
+	struct nk_cuda_vmm_chunk now;
+	const char *why;
+	return nk_cuda_vmm_chunks((const void *)(uintptr_t)c->base, 1, device, &now, 1, &why) == 1 &&
+	       now.base == c->base && now.size == c->size && now.block_id == c->block_id;
+}
+
+/* Whether a lazily registered region's memory is gone (freed, remapped or reused). */
+static bool device_region_stale(const nc_region *r)
+{
+	if (r->chunk_count == 0) {
+		struct nk_cuda_pointer_info info;
+		const char *why;
+		return nk_cuda_pointer_info(r->data, &info, &why) != 0 ||
+		       info.buffer_id != r->buffer_id;
+	}
+	for (unsigned i = 0; i < r->chunk_count; i++) {
+		if (!vmm_chunk_current(&r->chunks[i], r->device))
+			return true;
+	}
+	return false;
+}
+
 /*
- * Unregisters the lazily registered regions whose allocation is gone (freed,
- * or its address reused by another allocation): otherwise the daemon's
- * mapping would keep freed memory alive. Called on a cache miss.
+ * Unregisters the lazily registered regions whose memory is gone (freed, or
+ * its address reused by another allocation; for VMM memory, any chunk
+ * unmapped or remapped): otherwise the daemon's mapping would keep freed
+ * memory alive. Called on a cache miss.
  */
 static void device_sweep_stale(nc_conn *conn)
 {
@@ -117,10 +265,7 @@ static void device_sweep_stale(nc_conn *conn)
 	pthread_mutex_lock(&conn->lock);
 	for (nc_region **p = &conn->regions; *p;) {
 		nc_region *r = *p;
-		struct nk_cuda_pointer_info info;
-		const char *why;
-		if (r->lazy && (nk_cuda_pointer_info(r->data, &info, &why) != 0 ||
-				info.buffer_id != r->buffer_id)) {
+		if (r->lazy && device_region_stale(r)) {
 			*p = r->next;
 			r->next = stale;
 			stale = r;
@@ -133,6 +278,7 @@ static void device_sweep_stale(nc_conn *conn)
 		nc_region *r = stale;
 		stale = r->next;
 		nc__region_unregister(r);
+		nc__free(r->chunks);
 		nc__free(r);
 	}
 }
@@ -144,7 +290,7 @@ static bool lazy_tensor_lookup(nc_conn *conn, unsigned long long buffer_id, cons
 	bool found = false;
 	pthread_mutex_lock(&conn->lock);
 	for (nc_region *r = conn->regions; r; r = r->next) {
-		if (r->lazy && r->buffer_id == buffer_id) {
+		if (r->lazy && r->chunk_count == 0 && r->buffer_id == buffer_id) {
 			out->region = r->id;
 			out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)r->data);
 			found = true;
@@ -155,7 +301,87 @@ static bool lazy_tensor_lookup(nc_conn *conn, unsigned long long buffer_id, cons
 	return found;
 }
 
-NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *out)
+/* Whether registered chunks r[k..k+count) are exactly `now` (same mappings, same memory). */
+static bool vmm_chunks_equal(const struct nk_cuda_vmm_chunk *r, const struct nk_cuda_vmm_chunk *now,
+			     unsigned count)
+{
+	for (unsigned i = 0; i < count; i++) {
+		if (r[i].base != now[i].base || r[i].size != now[i].size ||
+		    r[i].block_id != now[i].block_id)
+			return false;
+	}
+	return true;
+}
+
+/* Whether r's chunks outside [k, k + count) (those the walk did not see) are current. */
+static bool vmm_others_current(const nc_region *r, unsigned k, unsigned count)
+{
+	for (unsigned i = 0; i < r->chunk_count; i++) {
+		if ((i < k || i >= k + count) && !vmm_chunk_current(&r->chunks[i], r->device))
+			return false;
+	}
+	return true;
+}
+
+/*
+ * The tensor at `ptr` in a lazily registered VMM region that holds all of
+ * `chunks` (the mappings the tensor touches, as they are now) as they were
+ * registered, and whose other chunks are current too: the staleness rule at
+ * the top of this file.
+ */
+static bool vmm_tensor_lookup(nc_conn *conn, int device, const struct nk_cuda_vmm_chunk *chunks,
+			      unsigned count, const void *ptr, struct nc_tensor *out)
+{
+	bool found = false;
+	pthread_mutex_lock(&conn->lock);
+	for (nc_region *r = conn->regions; r && !found; r = r->next) {
+		if (!r->lazy || r->chunk_count < count || r->device != device ||
+		    chunks[0].base < r->chunks[0].base)
+			continue;
+		for (unsigned k = 0; k + count <= r->chunk_count; k++) {
+			if (r->chunks[k].base != chunks[0].base)
+				continue;
+			found = vmm_chunks_equal(&r->chunks[k], chunks, count) &&
+				vmm_others_current(r, k, count);
+			break;
+		}
+		if (found) {
+			out->region = r->id;
+			out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)r->data);
+		}
+	}
+	pthread_mutex_unlock(&conn->lock);
+	return found;
+}
+
+/* Files a region registered for a tensor no cached region served in the cache; fills *out. */
+static int lazy_register(const void *ptr, nc_region *region, struct nc_tensor *out)
+{
+	region->lazy = true;
+	nc__region_track(region);
+	out->region = region->id;
+	out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)region->data);
+	return 0;
+}
+
+/* nc_tensor_device_range for VMM memory. */
+static int vmm_tensor(nc_conn *conn, const void *ptr, size_t bytes, int device,
+		      struct nc_tensor *out)
+{
+	struct nk_cuda_vmm_chunk chunks[NC_VMM_MAX_CHUNKS];
+	int n = vmm_walk(ptr, bytes, device, chunks);
+	if (n < 0)
+		return n;
+	if (vmm_tensor_lookup(conn, device, chunks, (unsigned)n, ptr, out))
+		return 0;
+	device_sweep_stale(conn);
+	nc_region *region;
+	int rc = vmm_region_register(conn, device, chunks, (unsigned)n, &region);
+	return rc ? rc : lazy_register(ptr, region, out);
+}
+
+NC_API int nc_tensor_device_range(nc_conn *conn, const void *ptr, size_t bytes,
+				  struct nc_tensor *out)
 {
 	if (!conn || !out)
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn and out must not be NULL");
@@ -164,9 +390,10 @@ NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *ou
 		return 0;
 	}
 	/*
-	 * A registered allocation is known by its buffer id alone, the cheapest
-	 * query: what the full one checks (device memory, exportable) was
-	 * checked when it was registered, and an id is never reused.
+	 * A registered cudaMalloc allocation is known by its buffer id alone,
+	 * the cheapest query: what the full one checks (device memory,
+	 * exportable) was checked when it was registered, and an id is never
+	 * reused. VMM memory is never cached by buffer id.
 	 */
 	unsigned long long buffer_id;
 	if (nk_cuda_pointer_buffer_id(ptr, &buffer_id) == 0 &&
@@ -176,18 +403,19 @@ NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *ou
 	int rc = device_pointer_info(ptr, &info);
 	if (rc)
 		return rc;
+	if (!info.ipc_capable)
+		return vmm_tensor(conn, ptr, bytes ? bytes : 1, info.device, out);
 	if (lazy_tensor_lookup(conn, info.buffer_id, ptr, out))
 		return 0;
 	device_sweep_stale(conn);
 	nc_region *region;
 	rc = device_region_register(conn, &info, &region);
-	if (rc)
-		return rc;
-	region->lazy = true;
-	nc__region_track(region);
-	out->region = region->id;
-	out->offset = (uint64_t)((uintptr_t)ptr - info.base);
-	return 0;
+	return rc ? rc : lazy_register(ptr, region, out);
+}
+
+NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *out)
+{
+	return nc_tensor_device_range(conn, ptr, 1, out);
 }
 
 /* The tensor fields of a job in role order (proto/job_roles.h), for nc_job_enqueue_device. */
@@ -213,7 +441,10 @@ NC_API int nc_job_enqueue_device(nc_conn *conn, const struct nc_job *job,
 	for (int i = 0; i < NC_JOB_TENSORS; i++) {
 		if (!ptrs[i])
 			continue;
-		int rc = nc_tensor_device(conn, ptrs[i], fields[i]);
+		/* The bytes the job reads or writes there: a VMM tensor may span several chunks. */
+		uint64_t bytes = nc__role_bytes(job, NULL, i);
+		size_t span = bytes == 0 || bytes > SIZE_MAX ? 1 : (size_t)bytes;
+		int rc = nc_tensor_device_range(conn, ptrs[i], span, fields[i]);
 		if (rc) {
 			/* The message says which tensor; nc_last_error() is rewritten below. */
 			char why[192];

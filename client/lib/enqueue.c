@@ -139,6 +139,16 @@ static void role_shape(const struct nc_job *job, const struct nc_job_ext *ext,
 	}
 }
 
+uint64_t nc__role_bytes(const struct nc_job *job, const struct nc_job_ext *ext, int role)
+{
+	uint64_t elems, bytes;
+	size_t size;
+	role_shape(job, ext, (enum nc__job_role)role, &elems, &size);
+	if (job->op == NC_WGRAD_ACCUM || __builtin_mul_overflow(elems, (uint64_t)size, &bytes))
+		return 0; /* the daemon sizes WGRAD_ACCUM's tensors (never enqueued) */
+	return bytes;
+}
+
 /* The region of a tensor (conn->lock held), or NULL. */
 static const nc_region *region_of(nc_conn *conn, uint64_t id)
 {

@@ -17,14 +17,18 @@
 
 #define NC__REGION_TIMEOUT_MS 30000
 
-/* A registered region: host memory mapped here, or a device allocation. */
+struct nk_cuda_vmm_chunk;
+
+/* A registered region: host memory mapped here, or device memory. */
 struct nc_region {
 	nc_conn *conn;
 	uint64_t id;
-	void *data;                 /* host mapping, or the allocation's device base */
+	void *data;                 /* host mapping, or the device memory's start */
 	size_t size;
 	int device;                 /* -1: host memfd */
-	unsigned long long buffer_id; /* device: the driver's allocation id */
+	unsigned long long buffer_id; /* cudaMalloc memory: the driver's allocation id */
+	unsigned chunk_count;       /* VMM memory: its mappings (0: not VMM) */
+	struct nk_cuda_vmm_chunk *chunks; /* VMM memory: each mapping as registered */
 	bool lazy;                  /* registered by nc_tensor_device(), owned by conn */
 	struct nc_region *next;     /* conn's list of its regions */
 };
@@ -91,6 +95,9 @@ int nc__call(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms,
 
 /* Sends `env` and waits for a Result; returns its status (message recorded). */
 int nc__call_result(nc_conn *conn, Normd__Envelope *env, int fd, int timeout_ms);
+/* The same with `count` fds (at most NC_VMM_MAX_CHUNKS) passed with the frame; they stay the caller's. */
+int nc__call_result_fds(nc_conn *conn, Normd__Envelope *env, const int *fds, unsigned count,
+			int timeout_ms);
 
 /*
  * nc__call() for requests with a reply type of their own: any other reply
@@ -134,6 +141,12 @@ void nc__job_to_msg(const struct nc_job *job, const struct nc_job_ext *ext, Norm
 		    Normd__Tensor *ts);
 /* NC_EINVALID_ARGUMENT (message recorded) when ext's reserved words are not zero. */
 int nc__job_ext_check(const struct nc_job_ext *ext);
+
+/*
+ * The bytes a job's tensor of `role` (proto/job_roles.h) spans, from the op,
+ * shape and dtypes (ext may be NULL); 0 if that overflows.
+ */
+uint64_t nc__role_bytes(const struct nc_job *job, const struct nc_job_ext *ext, int role);
 
 /* The enqueue mode (enqueue.c). With conn->lock held: an enqueued job's reply arrived. */
 void nc__enqueue_answered(nc_conn *conn, const Normd__Envelope *env);

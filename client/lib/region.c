@@ -116,6 +116,7 @@ static void region_release(nc_region *region)
 {
 	if (region->device < 0)
 		munmap(region->data, region->size);
+	nc__free(region->chunks);
 	nc__free(region);
 }
 

@@ -371,12 +371,20 @@ static struct nc_tensor *job_tensor(struct nc_job *job, struct nc_job_ext *ext, 
 	return tensors[role];
 }
 
-/* One cudaMalloc allocation for every tensor, registered, plus its host staging copy. */
+/*
+ * One cudaMalloc allocation for every tensor, registered, plus its host
+ * staging copy; or the caller's device_memory, whose tensors are named one
+ * by one (jobkit_create).
+ */
 static int jobkit_alloc_device(nc_conn *conn, struct jobkit *kit)
 {
 	kit->staging = malloc(kit->total);
 	if (!kit->staging)
 		return NC_ENOMEM;
+	if (kit->spec.device_memory) {
+		kit->device_base = kit->spec.device_memory;
+		return cudaSetDevice(kit->spec.device) == cudaSuccess ? 0 : NC_EINVALID_ARGUMENT;
+	}
 	if (cudaSetDevice(kit->spec.device) != cudaSuccess ||
 	    cudaMalloc(&kit->device_base, kit->total) != cudaSuccess) {
 		cudaGetLastError();
@@ -386,23 +394,15 @@ static int jobkit_alloc_device(nc_conn *conn, struct jobkit *kit)
 	return nc_region_register_device(conn, kit->device_base, &kit->region);
 }
 
-int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *kit)
+/* Where each tensor goes (in-place outputs share their input's place); returns the total. */
+static size_t jobkit_layout(const struct jobkit_spec *spec, const bool used[JK_ROLES],
+			    size_t bytes[JK_ROLES], size_t offsets[JK_ROLES])
 {
-	bool used[JK_ROLES];
-	size_t offsets[JK_ROLES] = {0}, total = 0;
-	memset(kit, 0, sizeof(*kit));
-	kit->spec = *spec;
-	/* Flags that mean nothing for the op are dropped. */
-	if (!op_is_backward(spec->op))
-		kit->spec.memory_efficient = false;
-	if (!op_is_backward(spec->op) && !op_is_wgrad(spec->op))
-		kit->spec.accumulate = false;
-	spec = &kit->spec;
-	jobkit_roles(spec, used);
+	size_t total = 0;
 	for (int role = 0; role < JK_ROLES; role++) {
 		if (!used[role])
 			continue;
-		kit->bytes[role] = role_bytes(spec, role);
+		bytes[role] = role_bytes(spec, role);
 		/* In-place outputs take their input's place (inputs come first in role order
 		 * except residual, which precedes residual_out). */
 		int source = in_place_source(spec, role);
@@ -411,8 +411,55 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 			continue;
 		}
 		offsets[role] = total;
-		total += (kit->bytes[role] + JK_ALIGN - 1) / JK_ALIGN * JK_ALIGN;
+		total += (bytes[role] + JK_ALIGN - 1) / JK_ALIGN * JK_ALIGN;
 	}
+	return total;
+}
+
+/* The spec with the flags that mean nothing for its op dropped. */
+static void jobkit_normalize(struct jobkit_spec *spec)
+{
+	if (!op_is_backward(spec->op))
+		spec->memory_efficient = false;
+	if (!op_is_backward(spec->op) && !op_is_wgrad(spec->op))
+		spec->accumulate = false;
+}
+
+size_t jobkit_bytes(const struct jobkit_spec *spec)
+{
+	struct jobkit_spec s = *spec;
+	bool used[JK_ROLES];
+	size_t bytes[JK_ROLES] = {0}, offsets[JK_ROLES] = {0};
+	jobkit_normalize(&s);
+	jobkit_roles(&s, used);
+	return jobkit_layout(&s, used, bytes, offsets);
+}
+
+/* With device_memory: each tensor named through nc_tensor_device_range (the VMM path). */
+static int jobkit_name_device_tensors(nc_conn *conn, struct jobkit *kit,
+				      const size_t offsets[JK_ROLES])
+{
+	for (int role = 0; role < JK_ROLES; role++) {
+		if (!kit->ptr[role])
+			continue;
+		int rc = nc_tensor_device_range(conn, (char *)kit->device_base + offsets[role],
+						kit->bytes[role], job_tensor(&kit->job, &kit->ext, role));
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
+int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *kit)
+{
+	bool used[JK_ROLES];
+	size_t offsets[JK_ROLES] = {0}, total = 0;
+	memset(kit, 0, sizeof(*kit));
+	kit->spec = *spec;
+	jobkit_normalize(&kit->spec);
+	spec = &kit->spec;
+	jobkit_roles(spec, used);
+	total = jobkit_layout(spec, used, kit->bytes, offsets);
 	kit->total = total;
 	int rc = spec->on_device ? jobkit_alloc_device(conn, kit) :
 				   nc_region_alloc_host(conn, total, &kit->region);
@@ -445,6 +492,13 @@ int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *
 		job_tensor(job, &kit->ext, role)->region = nc_region_id(kit->region);
 		job_tensor(job, &kit->ext, role)->offset = offsets[role];
 	}
+	if (spec->on_device && spec->device_memory) {
+		rc = jobkit_name_device_tensors(conn, kit, offsets);
+		if (rc) {
+			jobkit_destroy(kit);
+			return rc;
+		}
+	}
 	jobkit_fill(kit, used);
 	if (op_is_backward(spec->op) && jobkit_forward_inputs(kit) != 0) {
 		jobkit_destroy(kit);
@@ -476,7 +530,7 @@ void jobkit_destroy(struct jobkit *kit)
 {
 	if (kit->region)
 		nc_region_free(kit->region);
-	if (kit->device_base)
+	if (kit->device_base && kit->device_base != kit->spec.device_memory)
 		cudaFree(kit->device_base);
 	free(kit->staging);
 	for (int role = 0; role < JK_ROLES; role++) {

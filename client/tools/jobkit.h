@@ -35,6 +35,9 @@ struct jobkit_spec {
 				       accumulate = main_grad += (else =) */
 	bool on_device;             /* tensors in cudaMalloc memory (CUDA backend) */
 	int device;                 /* which GPU, when on_device */
+	void *device_memory;        /* on_device: lay the tensors out from here instead (the
+				       caller's device memory, jobkit_bytes() of it; VMM memory
+				       for one), each named by nc_tensor_device_range() */
 	/* The norm variants (docs/VARIANTS.md): */
 	bool residual;              /* forward: s = x + residual into residual_out; backward:
 				       x holds s and ds (the gradient at s) is added */
@@ -47,7 +50,7 @@ struct jobkit_spec {
 struct jobkit {
 	struct jobkit_spec spec;
 	nc_region *region;          /* host memfd, or the device allocation */
-	void *device_base;          /* on_device: the cudaMalloc allocation */
+	void *device_base;          /* on_device: the cudaMalloc allocation (or device_memory) */
 	void *staging;              /* on_device: host copy that ptr[] points into */
 	size_t total;               /* bytes of all tensors */
 	struct nc_job job;          /* ready to submit */
@@ -78,6 +81,8 @@ const char *jobkit_dtype_name(enum nc_dtype dtype);
 
 /* Returns 0 or a negative NC_E* code (message in nc_last_error()). */
 int jobkit_create(nc_conn *conn, const struct jobkit_spec *spec, struct jobkit *kit);
+/* The bytes of memory the spec's tensors take (what device_memory must hold). */
+size_t jobkit_bytes(const struct jobkit_spec *spec);
 
 /* Checks the outputs against the reference; returns report->ok. */
 bool jobkit_check(const struct jobkit *kit, struct jobkit_report *report);

@@ -57,10 +57,40 @@ static void region_drop(struct region *region)
 	nc__free(region);
 }
 
+/*
+ * The shape check of chunked (CUDA_VMM_FD) registrations, with as many fds
+ * as chunks and with none: a refusal is INVALID_ARGUMENT with one line, and
+ * what passes has 1 to NC_VMM_MAX_CHUNKS non-zero chunks adding up to size.
+ */
+static void fuzz_check_chunks(const Normd__RegisterRegion *msg)
+{
+	char why[192];
+	unsigned counts[] = {(unsigned)msg->n_chunk_sizes, 0};
+	for (int i = 0; i < 2; i++) {
+		why[0] = '\0';
+		int rc = region_check_chunks(msg, counts[i], why, sizeof(why));
+		if (rc != 0 && (rc != NC_EINVALID_ARGUMENT || !why[0] || strchr(why, '\n')))
+			abort();
+		if (rc != 0 || msg->kind != NORMD__REGION_KIND__CUDA_VMM_FD)
+			continue;
+		uint64_t total = 0;
+		if (msg->n_chunk_sizes == 0 || msg->n_chunk_sizes > NC_VMM_MAX_CHUNKS)
+			abort();
+		for (size_t c = 0; c < msg->n_chunk_sizes; c++) {
+			if (msg->chunk_sizes[c] == 0)
+				abort();
+			total += msg->chunk_sizes[c];
+		}
+		if (total != msg->size)
+			abort();
+	}
+}
+
 /* RegisterRegion with dispatch.c's checks; memory is an exact-size heap buffer. */
 static void fuzz_register(struct region_table *table, const struct config *cfg,
 			  const Normd__RegisterRegion *msg)
 {
+	fuzz_check_chunks(msg);
 	if (msg->kind != NORMD__REGION_KIND__HOST_MEMFD || msg->region_id == 0 || msg->size == 0 ||
 	    msg->size > FUZZ_MAX_REGION_BYTES || region_lookup(table, msg->region_id) ||
 	    table->count >= cfg->max_regions ||

@@ -427,6 +427,42 @@ static void bad_seeds(void)
 	save("bad_overflow", &s);
 }
 
+/*
+ * CUDA_VMM_FD registrations (no fds travel in a corpus): a well-formed one
+ * of three chunks, and ones with a zero chunk and a wrong sum.
+ */
+static void vmm_seeds(void)
+{
+	static const uint64_t good[] = {2u << 20, 2u << 20, 20u << 20};
+	static const uint64_t zero[] = {2u << 20, 0};
+	static const struct {
+		const char *name;
+		const uint64_t *sizes;
+		size_t count;
+		uint64_t size;
+	} seeds[] = {
+		{"register_vmm_three_chunks", good, 3, 24u << 20},
+		{"register_vmm_zero_chunk", zero, 2, 2u << 20},
+		{"register_vmm_bad_sum", good, 3, 4096},
+	};
+	for (size_t i = 0; i < sizeof(seeds) / sizeof(seeds[0]); i++) {
+		struct stream s = {0};
+		add_hello(&s);
+		Normd__RegisterRegion reg = NORMD__REGISTER_REGION__INIT;
+		reg.region_id = REGION_ID;
+		reg.kind = NORMD__REGION_KIND__CUDA_VMM_FD;
+		reg.has_device = true;
+		reg.size = seeds[i].size;
+		reg.n_chunk_sizes = seeds[i].count;
+		reg.chunk_sizes = (uint64_t *)seeds[i].sizes;
+		Normd__Envelope env = NORMD__ENVELOPE__INIT;
+		env.body_case = NORMD__ENVELOPE__BODY_REGISTER_REGION;
+		env.register_region = &reg;
+		add(&s, &env);
+		save(seeds[i].name, &s);
+	}
+}
+
 int main(int argc, char **argv)
 {
 	if (argc != 2) {
@@ -437,6 +473,7 @@ int main(int argc, char **argv)
 	session_seeds();
 	wgrad_seeds();
 	variant_seeds();
+	vmm_seeds();
 	message_seeds();
 	bad_seeds();
 	return 0;

@@ -32,8 +32,17 @@ if python3 -c "import torch" >/dev/null 2>&1; then
 		echo "== test_python.py: FAILED (exit $?)"
 		status=1
 	fi
+	# A process under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True from its start (VMM regions).
+	echo "== test_vmm_torch.py"
+	if timeout "$timeout_s" python3 tests/gpu/test_vmm_torch.py "$build"; then
+		echo "== test_vmm_torch.py: ok"
+	else
+		echo "== test_vmm_torch.py: FAILED (exit $?)"
+		status=1
+	fi
 else
 	echo "== test_python.py: skipped (python3 cannot import torch)"
+	echo "== test_vmm_torch.py: skipped (python3 cannot import torch)"
 fi
 # torch.compile and CUDA graphs (pytest; it starts its own daemon on GPU 0).
 if python3 -c "import torch, pytest" >/dev/null 2>&1; then

@@ -38,8 +38,10 @@ Checks (tests/python/torch_checks.py holds the shared ones):
   freed by empty_cache and allocated again, another stream;
 - a small transformer trained 200 steps with normd's norms and with
   torch's (memory_efficient off and on): loss curves within 1%;
-- PyTorch's expandable segments give NormdError UNSUPPORTED (last: it
-  changes the allocator's settings).
+- PyTorch's expandable segments, switched on at run time, are registered
+  as VMM regions and give torch's results (last: it changes the allocator's
+  settings; tests/gpu/test_vmm_torch.py runs a process under them from the
+  start).
 
 Prints one line per check (failures with their message), then
 "N passed, N failed"; exits non-zero if anything failed.
@@ -436,26 +438,33 @@ def check_training_run(client, memory_efficient):
 
 
 def check_expandable_segments(client):
-    """Memory from expandable segments cannot be exported: UNSUPPORTED, with a hint."""
+    """Memory from expandable segments (VMM chunks exported as POSIX fds) works."""
     settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if settings is None:
         raise Skip("this torch cannot change allocator settings at run time")
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     settings("expandable_segments:True")
-    x = None
+    x = w = None
     try:
-        x = torch.randn(2048, 4096, device=DEVICE)  # 32 MiB: a new segment of the large pool
-        try:
-            N.fused_rms_norm(x, (4096,))
-        except normd.NormdError as err:
-            assert err.status == "UNSUPPORTED", str(err)
-            assert "expandable_segments" in err.message, err.message
-            print("      %s" % err)
-            return
-        raise Skip("the allocator setting did not take effect (the job ran)")
+        # 64 MiB: a new segment of the large pool, over several 20 MiB chunks.
+        x = torch.randn(4096, 4096, device=DEVICE).requires_grad_(True)
+        w = torch.randn(4096, device=DEVICE).requires_grad_(True)
+        if not any(s.get("is_expandable") for s in torch.cuda.memory_snapshot()):
+            raise Skip("the allocator setting did not take effect (no expandable segment)")
+        y = N.fused_rms_norm_affine(x, w, (4096,))
+        y.sum().backward()
+        torch.cuda.synchronize()
+        client.check()
+        xr = x.detach().clone().requires_grad_(True)
+        wr = w.detach().clone().requires_grad_(True)
+        ref = checks.torch_reference(True, xr, (4096,), wr, None, 1e-5)
+        ref.sum().backward()
+        checks.expect_close("y", y, ref, checks.TOL[torch.float32])
+        checks.expect_close("dx", x.grad, xr.grad, checks.TOL[torch.float32])
+        checks.expect_close("dw", w.grad, wr.grad, 4 * checks.TOL[torch.float32])
     finally:
-        del x
+        del x, w
         torch.cuda.synchronize()
         settings("expandable_segments:False")
         torch.cuda.empty_cache()
@@ -530,7 +539,7 @@ def main(argv):
         runner.run("server info and variants", check_server, client)
         runner.run("training (memory_efficient off)", check_training_run, client, False)
         runner.run("training (memory_efficient on)", check_training_run, client, True)
-        runner.run("expandable segments refused", check_expandable_segments, client)
+        runner.run("expandable segments (VMM regions)", check_expandable_segments, client)
     finally:
         if client is not None:
             normd.set_default_client(None)

@@ -239,28 +239,36 @@ int raw_send(int fd, Normd__Envelope *env)
 	return rc;
 }
 
-int raw_send_with_fd(int fd, Normd__Envelope *env, int pass_fd)
+int raw_send_with_fds(int fd, Normd__Envelope *env, const int *pass_fds, unsigned count)
 {
+	enum { MAX_FDS = 253 }; /* SCM_MAX_FD: what one sendmsg may carry */
+	if (count == 0 || count > MAX_FDS)
+		return -1;
 	uint8_t *frame;
 	size_t len;
 	if (nc__frame_pack(env, UINT32_MAX, &frame, &len))
 		return -1;
 	union {
-		char buf[CMSG_SPACE(sizeof(int))];
+		char buf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
 		struct cmsghdr align;
 	} control;
 	struct iovec iov = {.iov_base = frame, .iov_len = len};
 	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
-			     .msg_controllen = sizeof(control.buf)};
+			     .msg_controllen = CMSG_SPACE(sizeof(int) * count)};
 	struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
 	cm->cmsg_level = SOL_SOCKET;
 	cm->cmsg_type = SCM_RIGHTS;
-	cm->cmsg_len = CMSG_LEN(sizeof(int));
-	memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
+	cm->cmsg_len = CMSG_LEN(sizeof(int) * count);
+	memcpy(CMSG_DATA(cm), pass_fds, sizeof(int) * count);
 	ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
 	int rc = n < 0 ? -1 : raw_write(fd, frame + n, len - (size_t)n);
 	nc__free(frame);
 	return rc;
+}
+
+int raw_send_with_fd(int fd, Normd__Envelope *env, int pass_fd)
+{
+	return raw_send_with_fds(fd, env, &pass_fd, 1);
 }
 
 int raw_pack_into(Normd__Envelope *env, uint8_t *buf, size_t cap, size_t *len)

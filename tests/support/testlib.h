@@ -55,6 +55,8 @@ int raw_write(int fd, const void *bytes, size_t len);
 int raw_send(int fd, Normd__Envelope *env);
 /* Like raw_send, with `pass_fd` attached by SCM_RIGHTS to the frame's first byte. */
 int raw_send_with_fd(int fd, Normd__Envelope *env, int pass_fd);
+/* The same with `count` fds (1 to 253, what one sendmsg carries). */
+int raw_send_with_fds(int fd, Normd__Envelope *env, const int *pass_fds, unsigned count);
 /* Appends one packed frame to buf (cap bytes, *len used); returns 0 or -1. */
 int raw_pack_into(Normd__Envelope *env, uint8_t *buf, size_t cap, size_t *len);
 /* Sends Hello (request id 1) and reads the HelloReply; returns 0 or -1. */

@@ -21,9 +21,10 @@ COMPLETION_MODES = ("enqueue", "sync", "event")
 DEFAULT_COMPLETION = "enqueue"
 
 _EXPANDABLE_HINT = (
-    " -- PyTorch allocates such memory when PYTORCH_CUDA_ALLOC_CONF contains "
-    "expandable_segments:True (or backend:cudaMallocAsync); normd needs cudaMalloc memory "
-    "(CUDA IPC), so remove that setting in processes that use normd")
+    " -- PyTorch allocates such memory with PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync "
+    "(memory pools), or with expandable_segments:True when its chunks cannot be exported as "
+    "POSIX fds (TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0, or fabric handles); normd takes "
+    "cudaMalloc memory (CUDA IPC) and expandable segments exportable as POSIX fds")
 
 
 class JobResult:
@@ -203,8 +204,11 @@ class Client:
 
     Memory: ``host_array()``/``host_region()`` give shared host memory (CPU
     backend); CUDA torch tensors are registered on first use, one
-    registration per cudaMalloc allocation (``device_tensor()``), cached for
-    the life of the connection. Jobs: ``run()`` (waits; with ``stream=`` it
+    registration per cudaMalloc allocation, or with
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` per run of the
+    segment's chunks a tensor covers (``device_tensor()``), cached for the
+    life of the connection (a chunk unmapped and mapped again is registered
+    anew). Jobs: ``run()`` (waits; with ``stream=`` it
     orders the job after the work queued on that CUDA stream; with
     ``event=True`` it returns once the job is queued, through interprocess
     events), ``enqueue()`` (the enqueue mode: ordered with a CUDA stream on
@@ -370,15 +374,19 @@ class Client:
             raise host_error("%s is not in a host region of this client" % type(obj).__name__)
         self._conn.free_region(region)
 
-    def device_tensor(self, ptr):
-        """The job tensor for CUDA device pointer `ptr` (an int).
+    def device_tensor(self, ptr, nbytes=1):
+        """The job tensor for the `nbytes` bytes at CUDA device pointer `ptr` (ints).
 
-        Registers the cudaMalloc allocation containing it on first use and
-        reuses that registration afterwards (nc_tensor_device).
+        Registers the memory holding them on first use and reuses that
+        registration afterwards (nc_tensor_device_range): the cudaMalloc
+        allocation containing `ptr`, or, for VMM memory (PyTorch's
+        expandable segments), the consecutive mappings covering the bytes,
+        reused only while those mappings hold the memory they were
+        registered with.
         """
         out = _lib.NcTensor()
-        rc = self._lib.nc_tensor_device(self._handle(), ctypes.c_void_p(int(ptr)),
-                                        ctypes.byref(out))
+        rc = self._lib.nc_tensor_device_range(self._handle(), ctypes.c_void_p(int(ptr)),
+                                              max(1, int(nbytes)), ctypes.byref(out))
         if rc < 0:
             message = _lib.text(self._lib.nc_last_error())
             if rc == _lib.STATUS_CODES["UNSUPPORTED"]:
@@ -404,7 +412,7 @@ class Client:
         if _is_torch_tensor(obj) and obj.is_cuda:
             if obj.numel() == 0:
                 raise ValueError("an empty tensor cannot be a job tensor")
-            return self.device_tensor(obj.data_ptr())
+            return self.device_tensor(obj.data_ptr(), obj.numel() * obj.element_size())
         address, nbytes, _ = _extent(obj)
         if nbytes == 0:
             raise ValueError("an empty array cannot be a job tensor")

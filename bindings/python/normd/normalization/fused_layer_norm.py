@@ -17,10 +17,13 @@ call, as CUDA's asynchronous errors are. ``normd.set_completion_mode()`` or
 ``NORMD_COMPLETION=sync|event`` pick the synchronous mode (the call waits
 for the job) or the IPC-event mode instead (see normd.completion_mode).
 The tensors are registered with
-the daemon on first use (CUDA IPC, one registration per cudaMalloc
-allocation of PyTorch's caching allocator, so this does not work with
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: NormdError
-UNSUPPORTED says so).
+the daemon on first use: one registration per cudaMalloc allocation of
+PyTorch's caching allocator (CUDA IPC), or, with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, per run of a
+segment's chunks that a tensor covers (each chunk passed as a POSIX fd; a
+chunk unmapped and mapped again is registered anew). Memory from
+``backend:cudaMallocAsync`` cannot be exported: NormdError UNSUPPORTED
+says so.
 
 Where torch computes instead (documented fallback, as apex's modules do for
 non-CUDA input): CPU tensors, float64, empty inputs, and TorchScript /
