@@ -52,6 +52,21 @@ __device__ __forceinline__ void load_row(const Params &p, int64_t row, bool vali
 	}
 }
 
+/* Loads the NV vectors of ds of one row (the residual add's backward); missing ones are zero. */
+template <typename T, int NV>
+__device__ __forceinline__ void load_ds(const Params &p, int64_t row, bool valid, const int *vi,
+					uint4 *ds)
+{
+	const uint4 *b = reinterpret_cast<const uint4 *>(static_cast<const T *>(p.ds) +
+							 (valid ? row : 0) * p.cols);
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		ds[j] = make_uint4(0, 0, 0, 0);
+		if (valid && vi[j] < p.nvec)
+			ds[j] = load_stream(b + vi[j]);
+	}
+}
+
 /* Per-row scalars: rstd and (standard LayerNorm) mean. */
 struct RowStats {
 	float mean;
@@ -225,11 +240,18 @@ __device__ __forceinline__ void vector_terms(const Params &p, uint4 xr, uint4 dy
 #define BWD_LAUNCH_BOUNDS __launch_bounds__(MAX_THREADS, 1)
 #endif
 
-template <typename T, typename W, int NV, bool SW>
+/*
+ * DS: the residual add's backward, dx += ds. Threads of up to 8 elements
+ * load a row's ds before its reduction, which hides the load's latency;
+ * wider ones load it as they store dx (holding it longer spilled
+ * registers).
+ */
+template <typename T, typename W, int NV, bool SW, bool DS>
 __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	constexpr int E = NV * VEC;
+	constexpr bool DS_EARLY = DS && E <= 8;
 	__shared__ RedSmem sm;
 	extern __shared__ float4 staged[]; /* SW: the weights, see Staged */
 	const int g = threadIdx.x / p.G, t = threadIdx.x % p.G;
@@ -239,7 +261,7 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 	const bool sums = p.f & (F_DGAMMA | F_DBETA);
 	const bool presums = p.f & F_PRESUMS;
 	int vi[NV];
-	uint4 cx[NV], cd[NV];
+	uint4 cx[NV], cd[NV], cs[DS_EARLY ? NV : 1];
 	float ag[E], ab[E];
 	int parity = 0;
 
@@ -264,6 +286,8 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 		float s[2] = {0.0f, 0.0f};
 
 		load_row<T, NV>(p, next, nvalid, vi, nx, nd);
+		if (DS_EARLY)
+			load_ds<T, NV>(p, row, valid, vi, cs);
 		RowStats nst = load_stats(p, next, nvalid);
 #pragma unroll
 		for (int j = 0; j < NV && !presums; j++) {
@@ -299,11 +323,13 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 #pragma unroll
 			for (int i = 0; i < VEC; i++)
 				dx[i] = cst.rstd * (gg[i] - m1 - xh[i] * m2);
-			if (p.f & F_RESIDUAL) { /* the residual add's backward: dx += ds */
+			if (DS) {
 				float ds[VEC];
-				unpack<T>(load_stream(reinterpret_cast<const uint4 *>(
-						      static_cast<const T *>(p.ds) + row * p.cols) +
-						  vi[j]),
+				unpack<T>(DS_EARLY ? cs[j]
+						   : load_stream(reinterpret_cast<const uint4 *>(
+								 static_cast<const T *>(p.ds) +
+								 row * p.cols) +
+							 vi[j]),
 					  ds);
 #pragma unroll
 				for (int i = 0; i < VEC; i++)
@@ -389,14 +415,18 @@ int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaS
 		if (err != cudaSuccess)
 			return set_error(err, "backward row sums launch");
 	}
+	const bool ds = p.f & F_RESIDUAL;
 	if (!(p.f & F_MEMEFF)) {
-		err = launch_kernel(bwd_tiled<T, W, NV, false>, units * s.K, s.threads,
-				    s.split ? 1 : s.K, stream, p);
+		err = launch_kernel(ds ? bwd_tiled<T, W, NV, false, true> : bwd_tiled<T, W, NV, false, false>,
+				    units * s.K, s.threads, s.split ? 1 : s.K, stream, p);
 		return err == cudaSuccess ? NK_OK : set_error(err, "backward kernel launch");
 	}
-	err = launch_with_smem<bwd_tiled<T, W, NV, true>>(dev, units * s.K, s.threads,
-							   s.split ? 1 : s.K, stream, p,
-							   staged_weight_bytes<T>(NV, s.G));
+	const size_t smem = staged_weight_bytes<T>(NV, s.G);
+	const int K = s.split ? 1 : s.K;
+	err = ds ? launch_with_smem<bwd_tiled<T, W, NV, true, true>>(dev, units * s.K, s.threads, K,
+								   stream, p, smem)
+		 : launch_with_smem<bwd_tiled<T, W, NV, true, false>>(dev, units * s.K, s.threads, K,
+								    stream, p, smem);
 	return err == cudaSuccess ? NK_OK : set_error(err, "backward kernel launch");
 }
 

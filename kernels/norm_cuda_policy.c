@@ -171,8 +171,14 @@ static const struct rule rules[] = {
     {FWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED_CLUSTER(MOST, 256),
      "a variant row wider still is shared by a cluster of blocks (sm_90; norm variants: "
      "forward)"},
+    {BWD,     X16,   EITHER,   VARIANTS, 0,  1,     4096,  TILED(1, 256),
+     "threads of one vector load ds before the row's reduction, hiding its latency "
+     "(norm variants: backward)"},
+    {BWD,     X32,   EITHER,   VARIANTS, 0,  1,     4096,  TILED(2, 256),
+     "threads of two fp32 vectors load ds before the row's reduction, hiding its latency "
+     "(norm variants: backward)"},
     {BWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED(MOST, 256),
-     "the tiled backward adds ds to dx as it stores it (norm variants: backward)"},
+     "wider rows on one block add ds to dx as they store it (norm variants: backward)"},
     {BWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED_SPLIT(MOST, 256),
      "a wider variant row runs in column slices after the row sums, as plain rows do "
      "(norm variants: backward)"},
