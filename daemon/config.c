@@ -69,7 +69,7 @@ static const struct config_entry config_table[] = {
 	UINT(busy_poll_us, "200", 0, 100000,
 	     "CUDA: workers spin this long for new jobs, and the loop polls for completions "
 	     "while jobs run, instead of sleeping (0: always sleep)"),
-	UINT(enqueue_threads, "4", 1, 16,
+	UINT(enqueue_threads, "2", 1, 16,
 	     "CUDA: threads per device that launch enqueued jobs (never waiting for the GPU)"),
 };
 

@@ -574,7 +574,9 @@ def _norm(rms, mixed, input, weight, bias, normalized_shape, eps, memory_efficie
     compiling = _is_compiling is not None and _is_compiling()
     # Under torch.compile the cache would be a guarded global changing between calls.
     shape = (_normalized_shape if compiling else _cached_normalized_shape)(normalized_shape)
-    if torch.jit.is_scripting() or _is_tracing() or not _daemon_input(input):
+    # Dynamo cannot trace torch._C._is_tracing; torch.jit.is_tracing it folds to False.
+    tracing = torch.jit.is_tracing() if compiling else _is_tracing()
+    if torch.jit.is_scripting() or tracing or not _daemon_input(input):
         return _torch_norm(rms, input, shape, weight, bias, eps, mixed)
     if compiling:
         if not _custom_ops.AVAILABLE:
