@@ -16,6 +16,9 @@
  * groups, a rule of the shape and the variant alone, so dgamma/dbeta do not
  * depend on the device or on timing.
  *
+ * The residual add's backward adds ds to dx as dx is stored (bwd_tiled's
+ * DS instances); the weight offset is added to gamma wherever it is read.
+ *
  * Rows wider than a block either run on a cluster of K blocks (sm_90), the
  * row sums exchanged through distributed shared memory, or split
  * (F_PRESUMS): bwd_row_sums computes sum(g) and sum(g * xh) of every row

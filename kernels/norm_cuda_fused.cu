@@ -3,8 +3,10 @@
  * s = x + residual, rounded once and stored, then normalized; backward
  * dx = dnorm(s) + ds), the weight offset (w = weight_offset + gamma in
  * fp32) and FP8 output (saturate(RNE(y * scale)), amax = max |y| before
- * scaling, NaN skipped). One family, "fused", runs every job that uses any
- * of them; plain jobs never come here.
+ * scaling, NaN skipped), for any width and alignment: the family the
+ * policy falls back to where the faster ones cannot take a variant job
+ * (rows not of whole 16-byte vectors, and the autotuner's second
+ * candidate). Plain jobs never come here.
  *
  * A block takes whole rows (grid-stride), its threads striding the columns.
  * The forward keeps a row's s in shared memory when it fits (else re-reads

@@ -365,7 +365,7 @@ int nk_cuda_norm(const struct nk_norm_args *args, const struct nk_device_info *d
 /* The last CUDA error string seen by a launcher on this thread. */
 const char *nk_cuda_last_error(void);
 
-/* The fused family (kernels/norm_cuda_fused.cu), for nk_cuda_norm's jobs with variants. */
+/* The fused family (kernels/norm_cuda_fused.cu): any job with norm variants, any layout. */
 size_t nk_cuda_fused_workspace_bytes(const struct nk_norm_args *args,
 				     const struct nk_device_info *dev);
 int nk_cuda_fused_norm(const struct nk_norm_args *args, const struct nk_device_info *dev,
