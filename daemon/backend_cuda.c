@@ -544,7 +544,7 @@ static int autotune_job(struct cuda_worker *w, const struct nk_norm_args *job,
 static void device_pick_variant(struct cuda_device *dev, struct cuda_worker *w,
 				const struct nk_norm_args *args, struct nk_variant *v)
 {
-	/* Jobs with norm variants have one kernel, and the cache's key does not tell them apart. */
+	/* The cache's key does not tell jobs with norm variants apart: they take the rules' default. */
 	if (nk_norm_features(args)) {
 		nk_cuda_variant_default(args, &dev->info, v);
 		return;

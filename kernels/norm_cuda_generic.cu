@@ -311,13 +311,16 @@ int launch_bwd_generic(const struct nk_norm_args *a, const struct nk_device_info
 		using T = decltype(tt);
 		using W = decltype(wt);
 		constexpr auto kern = bwd_generic<T, W>;
-		int rc = launch2d(kern, dim3((unsigned)generic_grid<kern>(p, dev)),
-				  dim3(GENERIC_THREADS), stream, p, "generic backward launch");
-		if (rc != NK_OK || !(p.f & (F_DGAMMA | F_DBETA)))
-			return rc;
-		dim3 grid((unsigned)((p.cols + 31) / 32), (unsigned)p.part_rows);
-		return launch2d(dgamma_generic<T, W>, grid, dim3(32, 8), stream, p,
-				"generic dgamma launch");
+		/* The weight gradients first: they read dy and x, which dx may overwrite. */
+		if (p.f & (F_DGAMMA | F_DBETA)) {
+			dim3 grid((unsigned)((p.cols + 31) / 32), (unsigned)p.part_rows);
+			int rc = launch2d(dgamma_generic<T, W>, grid, dim3(32, 8), stream, p,
+					  "generic dgamma launch");
+			if (rc != NK_OK)
+				return rc;
+		}
+		return launch2d(kern, dim3((unsigned)generic_grid<kern>(p, dev)),
+				dim3(GENERIC_THREADS), stream, p, "generic backward launch");
 	});
 }
 

@@ -114,7 +114,8 @@ static int max_nv(const struct nk_norm_args *a)
 	if (is_bwd(a))
 		return BWD_MAX_NV;
 	const int nv = FWD_MAX_ELEMS / vec_of(a);
-	return nk_norm_features(a) && nv > FWD_VAR_MAX_NV ? FWD_VAR_MAX_NV : nv;
+	const bool var = nk_norm_features(a) & ~NK_FEATURE_WEIGHT_OFFSET; /* offset: plain kernels */
+	return var && nv > FWD_VAR_MAX_NV ? FWD_VAR_MAX_NV : nv;
 }
 
 /* Threads a tiled block may have for this job on this device. */

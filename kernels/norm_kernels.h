@@ -270,6 +270,8 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
  * 4: tma_slice backward for rows wider than a block's registers (2026-11-22).
  * 5: the tiled forward runs a grid of every row group at 64 registers a
  *    thread, and its defaults changed (2026-11-24).
+ * 6: the tiled family runs the norm variants and every family the weight
+ *    offset (2026-11-25).
  */
 #define NK_VARIANT_SET 6
 

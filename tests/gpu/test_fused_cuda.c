@@ -6,7 +6,9 @@
  * the residual add (forward) or ds (backward), zero-centered and offset
  * weights, FP8 output in both formats with amax, memory-efficient
  * backward, in-place forms (y over x, residual_out over residual, dx over
- * dy), widths staged in shared memory and wider ones, and bit-identical
+ * dy, with ds and with the offset alone, which any family may run: the
+ * generic one at unaligned widths), widths staged in shared memory and
+ * wider ones, and bit-identical
  * weight gradients run to run. Outputs are poisoned (0xff) before each run.
  * Usage: test_fused_cuda [--quick] (GPU 0); --quick runs a subset (three
  * widths, two dtypes), for compute-sanitizer.
@@ -378,6 +380,11 @@ static void run_suite(bool quick)
 						if (is_bwd(c.op)) {
 							c.memeff = v == 3;
 							run_backward(&c);
+							if (v == 1 && c.offset != 0.0f) {
+								/* dx over dy without ds: every family */
+								c.in_place = true;
+								run_backward(&c);
+							}
 						} else {
 							c.fp8 = v == 3 ? (o == 1 ? NK_FP8_E5M2
 										 : NK_FP8_E4M3)
