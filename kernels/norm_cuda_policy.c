@@ -106,9 +106,6 @@ struct rule {
 static const struct rule rules[] = {
 /*   ops      x      memeff    runs      sm  cols from .. to     shape */
     /* Forward, 16-bit. */
-    {RMS_FWD, X16,   EITHER,   PLAIN,    0,  1025,  4096,  TILED(2, 256),
-     "two vectors a thread beat four on these RMSNorm rows "
-     "(tiled forward: 16-bit RMSNorm, 1025-4096 columns)"},
     {FWD,     X16,   EITHER,   PLAIN,    0,  1,     8192,  TILED(4, 256),
      "four vectors a thread in blocks of 256 (four blocks a multiprocessor) beat one or two "
      "vectors and tma_slice (tiled forward: 16-bit, up to 8192 columns)"},

@@ -272,8 +272,10 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
  *    thread, and its defaults changed (2026-11-24).
  * 6: the tiled family runs the norm variants and every family the weight
  *    offset (2026-11-25).
+ * 7: 16-bit RMSNorm forward rows of 1025-4096 columns take four vectors a
+ *    thread, as LayerNorm's do (2026-11-25).
  */
-#define NK_VARIANT_SET 6
+#define NK_VARIANT_SET 7
 
 /* Which kernel family a variant runs. */
 enum nk_variant_family {
