@@ -398,6 +398,22 @@ int run(const Params &p, const Shape &s, cudaStream_t stream)
 	return err == cudaSuccess ? NK_OK : set_error(err, "forward kernel launch");
 }
 
+/* A job with the residual add or FP8 output: the variant instances (tiled_fits caps NV). */
+template <typename T, typename W, int NV>
+int run_variants(const Params &p, const Shape &s, cudaStream_t stream)
+{
+	if constexpr (NV > FWD_VAR_MAX_NV) {
+		return NK_EUNSUPPORTED;
+	} else {
+		if ((p.f & F_FP8) && p.amax &&
+		    cudaMemsetAsync(p.amax, 0, sizeof(float), stream) != cudaSuccess)
+			return set_error(cudaGetLastError(), "amax reset");
+		if (p.f & F_RESIDUAL)
+			return run<T, W, NV, false, VAR_ADD>(p, s, stream);
+		return run<T, W, NV, false, VAR_NORM>(p, s, stream);
+	}
+}
+
 /*
  * block_smem forward: a block owns whole rows, one at a time (persistent
  * over rows), for rows too wide for a block's registers. The row is staged
@@ -568,18 +584,8 @@ int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *
 		p.nvec = (int)(a->cols / VEC);
 		return with_nv<FWD_MAX_ELEMS, VEC>(s.NV, [&](auto nv) {
 			constexpr int NV = decltype(nv)::value;
-			if (nk_norm_features(a) & ~NK_FEATURE_WEIGHT_OFFSET) { /* residual, FP8 */
-				if constexpr (NV > FWD_VAR_MAX_NV)
-					return (int)NK_EUNSUPPORTED; /* tiled_fits refuses it */
-				else {
-				if ((p.f & F_FP8) && p.amax &&
-				    cudaMemsetAsync(p.amax, 0, sizeof(float), stream) != cudaSuccess)
-					return set_error(cudaGetLastError(), "amax reset");
-				if (p.f & F_RESIDUAL)
-					return run<T, W, NV, false, VAR_ADD>(p, s, stream);
-				return run<T, W, NV, false, VAR_NORM>(p, s, stream);
-				}
-			}
+			if (nk_norm_features(a) & ~NK_FEATURE_WEIGHT_OFFSET) /* residual, FP8 */
+				return run_variants<T, W, NV>(p, s, stream);
 			/*
 			 * 16-bit rows of at most a warp's lanes that fill every
 			 * thread's vectors skip the bounds checks, which ran
