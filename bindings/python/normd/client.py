@@ -52,6 +52,20 @@ class JobResult:
                 % (self.status, self.variant, self.device_us, self.queue_us, self.clamped_cols))
 
 
+# This process's id, kept current across os.fork() by a hook: the job path
+# compares it to a connection's owner on every call, and os.getpid() is a
+# system call each time.
+_pid = os.getpid()
+
+
+def _after_fork_in_child():
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _Conn:
     """The library's connection and what hangs off it.
 
@@ -62,7 +76,7 @@ class _Conn:
     def __init__(self, lib, handle):
         self.lib = lib
         self.handle = handle
-        self.pid = os.getpid()
+        self.pid = _pid
         self.lock = threading.Lock()
         self.regions = {}    # region id -> HostRegion, registered and not yet freed
         self.abandoned = []  # tensors of jobs that timed out (the daemon may still use them)
@@ -71,7 +85,7 @@ class _Conn:
         """The library's handle; NormdError if closed or used by a forked child."""
         if self.handle is None:
             raise NormdError(_lib.STATUS_CODES["INVALID_ARGUMENT"], "the client is closed")
-        if os.getpid() != self.pid:
+        if _pid != self.pid:
             raise NormdError(_lib.STATUS_CODES["INVALID_ARGUMENT"],
                              "this client was opened by process %d; a forked child must "
                              "open its own normd.Client" % self.pid)
@@ -619,7 +633,7 @@ class Client:
         """
         conn = self._conn
         handle = conn.handle
-        if handle is None or conn.pid != os.getpid():
+        if handle is None or conn.pid != _pid:
             handle = conn.checked_handle()  # raises the closed / forked-child error
         rc = self._enqueue_device_call(handle, job, ptrs, stream)
         if rc:
@@ -808,12 +822,11 @@ def default_client():
     """
     global _default
     client = _default
-    if client is not None and client._conn.handle is not None and \
-            client._conn.pid == os.getpid():
+    if client is not None and client._conn.handle is not None and client._conn.pid == _pid:
         return client  # the common case, without the lock
     with _default_lock:
-        if _default is None or _default.closed or _default._conn.pid != os.getpid():
-            _default = Client(name="python-default:%d" % os.getpid())
+        if _default is None or _default.closed or _default._conn.pid != _pid:
+            _default = Client(name="python-default:%d" % _pid)
         return _default
 
 
