@@ -436,7 +436,7 @@ static void test_fwd_defaults(void **state)
 			expect_fwd(fwd_ops[op], NK_BF16, 128, devs[d], NK_FAMILY_WARP_ROWS, 256, 4);
 			expect_fwd(fwd_ops[op], NK_F16, 512, devs[d], NK_FAMILY_WARP_ROWS, 256, 4);
 			expect_fwd(fwd_ops[op], NK_BF16, 2048, devs[d], NK_FAMILY_BLOCK_ROW, 256,
-				   fwd_ops[op] == NK_RMSNORM_FWD ? 2 : 4);
+				   4);
 			expect_fwd(fwd_ops[op], NK_BF16, 1024, devs[d], NK_FAMILY_WARP_ROWS, 256,
 				   4);
 			expect_fwd(fwd_ops[op], NK_BF16, 8192, devs[d], NK_FAMILY_BLOCK_ROW, 256,
@@ -447,8 +447,8 @@ static void test_fwd_defaults(void **state)
 		expect_fwd(fwd_ops[op], NK_BF16, 32768, &h100, NK_FAMILY_BLOCK_SMEM, 1024, 4);
 		expect_fwd(fwd_ops[op], NK_F32, 16384, &h100, NK_FAMILY_BLOCK_ROW, 512, 8);
 	}
-	/* The edges: RMSNorm's two vectors stop past 512 16-bit / 1024 fp32 vectors. */
-	expect_fwd(NK_RMSNORM_FWD, NK_BF16, 4096, &h100, NK_FAMILY_BLOCK_ROW, 256, 2);
+	/* The edges: fp32 RMSNorm's two vectors stop past 1024 vectors; 16-bit takes four. */
+	expect_fwd(NK_RMSNORM_FWD, NK_BF16, 4096, &h100, NK_FAMILY_BLOCK_ROW, 256, 4);
 	expect_fwd(NK_RMSNORM_FWD, NK_BF16, 4104, &a100, NK_FAMILY_BLOCK_ROW, 160, 4);
 	expect_fwd(NK_LAYERNORM_FWD, NK_F16, 8200, &h100, NK_FAMILY_BLOCK_SMEM, 288, 4);
 	expect_fwd(NK_RMSNORM_FWD, NK_F32, 128, &h100, NK_FAMILY_WARP_ROWS, 256, 2);
