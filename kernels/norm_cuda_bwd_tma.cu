@@ -9,9 +9,10 @@
  * R.) Thread tg of a row's G threads owns the slice's vectors j * G + tg
  * (TMA_ELEMS elements in all): their weights and dgamma/dbeta sums stay in
  * registers for the whole kernel. One thread copies each row's slice of x
- * (or y) and dy into shared memory with TMA bulk copies, `stages` rows
- * deep, each stage completing an mbarrier; no thread issues loads, so the
- * rows in flight do not depend on occupancy.
+ * (or y) and dy (and ds, the residual add's backward: dx += ds) into
+ * shared memory with TMA bulk copies, `stages` rows deep, each stage
+ * completing an mbarrier; no thread issues loads, so the rows in flight do
+ * not depend on occupancy.
  *
  * Per row (the block's i-th):
  *   1. wait for stage i; sum g = dy * gamma and g * xh over the thread's
@@ -61,7 +62,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 #ifdef NKC_TMA
 	constexpr int VEC = 16 / sizeof(T), NV = TMA_ELEMS / VEC, E = TMA_ELEMS;
 	constexpr int WE = MEMEFF ? E : 1;
-	extern __shared__ __align__(128) uint4 stage[]; /* [stages][x, dy][sva] */
+	extern __shared__ __align__(128) uint4 stage[]; /* [stages][x, dy(, ds)][sva] */
 	__shared__ TmaSmem sm;
 	const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
 	const int K = p.K, S = p.stages, R = p.R, G = p.G;
@@ -70,12 +71,15 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 	const int rank = cluster_rank(K), lo = rank * p.slice;
 	const int cnt = max(0, min(p.slice, p.nvec - lo)); /* this block's vectors of a row */
 	const int sva = (R * p.slice + 7) & ~7;		   /* vectors of x (or dy) a stage */
+	const bool has_ds = p.f & F_RESIDUAL;
+	const int nbuf = has_ds ? 3 : 2; /* x, dy and ds: sva vectors each a stage */
 	const int64_t units = (p.rows + R - 1) / R;	   /* row groups */
 	const int64_t first = blockIdx.x / K, stride = gridDim.x / K;
 	const int64_t n = first < units ? (units - first + stride - 1) / stride : 0;
 	const bool sums = p.f & (F_DGAMMA | F_DBETA), ln = p.f & F_LN;
 	const T *xs = static_cast<const T *>(p.x) + (int64_t)lo * VEC;
-	const T *ds = static_cast<const T *>(p.dy) + (int64_t)lo * VEC;
+	const T *dys = static_cast<const T *>(p.dy) + (int64_t)lo * VEC;
+	const T *dss = has_ds ? static_cast<const T *>(p.ds) + (int64_t)lo * VEC : nullptr;
 	float gm[E], bt[WE], rg[WE], ag[E], ab[E];
 
 #pragma unroll
@@ -115,11 +119,13 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 		const int64_t r0 = (first + i * stride) * R, off = r0 * p.cols;
 		const int64_t nr = p.rows - r0 < R ? p.rows - r0 : R;
 		const unsigned bytes = (unsigned)(K > 1 ? cnt : nr * p.nvec) * 16u;
-		uint4 *dst = stage + (size_t)k * 2 * sva;
-		mbarrier_expect(&sm.full[k], 2 * bytes);
+		uint4 *dst = stage + (size_t)k * nbuf * sva;
+		mbarrier_expect(&sm.full[k], nbuf * bytes);
 		if (bytes) {
 			bulk_load(dst, xs + off, bytes, &sm.full[k]);
-			bulk_load(dst + sva, ds + off, bytes, &sm.full[k]);
+			bulk_load(dst + sva, dys + off, bytes, &sm.full[k]);
+			if (has_ds)
+				bulk_load(dst + 2 * sva, dss + off, bytes, &sm.full[k]);
 		}
 	};
 	/* This thread's row of the block's i-th row group; >= rows past the end. */
@@ -147,21 +153,25 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 		const int64_t row = row_of(i);
 		if (row >= p.rows)
 			return;
-		const uint4 *cur = stage + (size_t)k * 2 * sva + (size_t)g * p.nvec;
+		const uint4 *cur = stage + (size_t)k * nbuf * sva + (size_t)g * p.nvec;
 		uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.dx) + row * p.cols) + lo;
 #pragma unroll
 		for (int j = 0; j < NV; j++) {
 			const int lv = j * G + tg;
 			if (lv >= cnt)
 				continue;
-			float x[VEC], dy[VEC], dx[VEC];
+			float x[VEC], dy[VEC], dx[VEC], dsv[VEC];
 			unpack<T>(cur[lv], x);
 			unpack<T>(cur[sva + lv], dy);
+			if (has_ds)
+				unpack<T>(cur[2 * sva + lv], dsv);
 #pragma unroll
 			for (int i2 = 0; i2 < VEC; i2++) {
 				float xh, gg; /* x_hat and dy * gamma */
 				terms(x[i2], dy[i2], j * VEC + i2, st, xh, gg);
 				dx[i2] = st.y * (gg - m1 - xh * m2);
+				if (has_ds)
+					dx[i2] += dsv[i2];
 			}
 			__stcs(out + lv, pack<T>(dx));
 		}
@@ -201,7 +211,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 		const float2 nst = stats(i + 1);
 		const int slot = (int)(i & (TMA_SUM_SLOTS - 1)), prev = k > 0 ? k - 1 : S - 1;
 		/* (narrow: rows of the last group past the end hold stale data, never used) */
-		const uint4 *cur = stage + (size_t)k * 2 * sva + (size_t)g * p.nvec;
+		const uint4 *cur = stage + (size_t)k * nbuf * sva + (size_t)g * p.nvec;
 		const bool valid = row_of(i) < p.rows;
 		float s[2] = {0.0f, 0.0f};
 

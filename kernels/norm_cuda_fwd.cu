@@ -45,12 +45,13 @@ constexpr bool HAS_CLUSTERS = true;
 
 /*
  * Which norm variants a forward instance runs (docs/VARIANTS.md): none;
- * the weight offset and FP8 output; or those and the residual add, whose
- * second row of loads wants the registers of one block a multiprocessor
- * (the others keep the plain kernel's two, whose warps keep more loads in
- * flight).
+ * FP8 output in e4m3 or in e5m2 (an instance a format: choosing it at run
+ * time made these kernels spill); or the residual add, with or without FP8
+ * output, whose second row of loads wants the registers of one block a
+ * multiprocessor (the others keep the plain kernel's two, whose warps keep
+ * more loads in flight). Every instance runs the weight offset.
  */
-enum Var { VAR_NONE, VAR_NORM, VAR_ADD };
+enum Var { VAR_NONE, VAR_E4M3, VAR_E5M2, VAR_ADD };
 
 /*
  * The vectors of a row a thread owns: j-th at first + j * step (first =
@@ -247,10 +248,11 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
 /*
  * y of vector `v` of a row (its x in `x`), rounded once and streamed to
  * `out`; the weight is offset + gamma in fp32 (the weight-offset variant,
- * which every forward instance runs). VAR: with F_FP8 y goes to `out8` as
- * saturate(RNE(y * scale)) FP8 bytes, |y| folded into *amax.
+ * which every forward instance runs). FMT (an FP8 format, VAR kernels
+ * only): y goes to `out8` as saturate(RNE(y * scale)) FP8 bytes, |y|
+ * folded into *amax.
  */
-template <typename T, typename W, int VAR>
+template <typename T, typename W, int FMT = NK_FP8_NONE>
 __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 					     const float *x, float mean, float rstd,
 					     uint8_t *out8 = nullptr, float scale = 1.0f,
@@ -276,7 +278,7 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 #pragma unroll
 	for (int i = 0; i < VEC; i++)
 		y[i] = (x[i] - mean) * rstd * g[i] + b[i];
-	if (VAR && (p.f & F_FP8)) {
+	if constexpr (FMT != NK_FP8_NONE) {
 		union {
 			__nv_fp8x2_storage_t h[VEC / 2];
 			unsigned u[VEC / 4];
@@ -284,7 +286,7 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 #pragma unroll
 		for (int i = 0; i < VEC; i += 2) {
 			*amax = fmaxf(*amax, fmaxf(fabsf(y[i]), fabsf(y[i + 1]))); /* skips NaN */
-			q.h[i / 2] = to_fp8x2(y[i] * scale, y[i + 1] * scale, p.fp8);
+			q.h[i / 2] = to_fp8x2<FMT>(y[i] * scale, y[i + 1] * scale);
 		}
 		if constexpr (VEC == 8)
 			__stcs(reinterpret_cast<uint2 *>(out8) + v, make_uint2(q.u[0], q.u[1]));
@@ -295,20 +297,20 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 	__stcs(out + v, pack<T>(y));
 }
 
-/* y of the NV vectors a thread owns (packed in `v`). */
-template <typename T, typename W, int NV, bool FULL, int VAR>
+/* y of the NV vectors a thread owns (packed in `v`); FMT: write_vector's. */
+template <typename T, typename W, int NV, bool FULL, int FMT>
 __device__ __forceinline__ void write_row(const Params &p, int64_t row, const uint4 *v, Owned o,
 					  float mean, float rstd, float scale, float *amax)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.y) + row * p.cols);
-	uint8_t *out8 = VAR ? static_cast<uint8_t *>(p.y) + row * p.cols : nullptr;
+	uint8_t *out8 = FMT ? static_cast<uint8_t *>(p.y) + row * p.cols : nullptr;
 #pragma unroll
 	for (int j = 0; j < NV; j++) {
 		if (has_vector<FULL>(p, o, j)) {
 			float x[VEC];
 			unpack<T>(v[j], x);
-			write_vector<T, W, VAR>(p, out, o.at(j), x, mean, rstd, out8, scale, amax);
+			write_vector<T, W, FMT>(p, out, o.at(j), x, mean, rstd, out8, scale, amax);
 		}
 	}
 }
@@ -345,14 +347,13 @@ __device__ __forceinline__ void block_amax(const Params &p, float m)
  * kernel that loaded the next row while reducing this one (BENCHMARKS.md,
  * tiled forward: the kernel).
  */
-template <typename T, typename W, int NV, bool FULL, bool LN, int VAR>
-__global__ void __launch_bounds__(MAX_THREADS, VAR == VAR_ADD ? 1 : 2) fwd_tiled(const Params p)
+template <typename T, typename W, int NV, bool FULL, bool LN, int VAR, int FMT>
+__device__ __forceinline__ void tiled_rows(const Params &p, RedSmem &sm)
 {
-	__shared__ RedSmem sm;
 	const int g = threadIdx.x / p.G, t = threadIdx.x % p.G;
 	const int rank = cluster_rank(p.K);
 	const Owned o = {rank * p.G + t, p.K * p.G};
-	const float scale = VAR && (p.f & F_FP8) ? *p.scale : 1.0f;
+	const float scale = FMT != NK_FP8_NONE ? *p.scale : 1.0f;
 	float amax = 0.0f;
 	int parity = 0;
 
@@ -368,16 +369,35 @@ __global__ void __launch_bounds__(MAX_THREADS, VAR == VAR_ADD ? 1 : 2) fwd_tiled
 			load_row<T, NV, FULL>(p, row, valid, o, v);
 		row_stats<T, NV, FULL, LN>(p, v, o, sm, parity, &mean, &rstd);
 		if (valid) {
-			write_row<T, W, NV, FULL, VAR>(p, row, v, o, mean, rstd, scale, &amax);
+			write_row<T, W, NV, FULL, FMT>(p, row, v, o, mean, rstd, scale, &amax);
 			if (t == 0 && rank == 0 && p.mean)
 				p.mean[row] = mean;
 			if (t == 0 && rank == 0 && p.rstd)
 				p.rstd[row] = rstd;
 		}
 	}
-	if (VAR && (p.f & F_FP8) && p.amax)
+	if (FMT != NK_FP8_NONE && p.amax)
 		block_amax(p, amax);
 	cluster_done(p.K);
+}
+
+/* tiled_rows in the instance's output format (VAR_ADD: the job's). */
+template <typename T, typename W, int NV, bool FULL, bool LN, int VAR>
+__global__ void __launch_bounds__(MAX_THREADS, VAR == VAR_ADD ? 1 : 2) fwd_tiled(const Params p)
+{
+	__shared__ RedSmem sm;
+	if constexpr (VAR == VAR_E4M3) {
+		tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E4M3>(p, sm);
+	} else if constexpr (VAR == VAR_E5M2) {
+		tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E5M2>(p, sm);
+	} else if (VAR == VAR_ADD && (p.f & F_FP8)) {
+		if (p.fp8 == NK_FP8_E4M3)
+			tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E4M3>(p, sm);
+		else
+			tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E5M2>(p, sm);
+	} else {
+		tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_NONE>(p, sm);
+	}
 }
 
 /* Most blocks a forward grid has (a 1-D grid allows 2^31 - 1); the kernel strides past them. */
@@ -410,7 +430,9 @@ int run_variants(const Params &p, const Shape &s, cudaStream_t stream)
 			return set_error(cudaGetLastError(), "amax reset");
 		if (p.f & F_RESIDUAL)
 			return run<T, W, NV, false, VAR_ADD>(p, s, stream);
-		return run<T, W, NV, false, VAR_NORM>(p, s, stream);
+		if (p.fp8 == NK_FP8_E4M3)
+			return run<T, W, NV, false, VAR_E4M3>(p, s, stream);
+		return run<T, W, NV, false, VAR_E5M2>(p, s, stream);
 	}
 }
 
@@ -509,7 +531,7 @@ __global__ void __maxnreg__(40) fwd_smem(const Params p)
 		for (int v = t; v < n; v += G) {
 			float x[VEC];
 			unpack<T>(cur[v], x);
-			write_vector<T, W, VAR_NONE>(p, out, v, x, mean, rstd);
+			write_vector<T, W>(p, out, v, x, mean, rstd);
 		}
 		if (t == 0 && p.mean)
 			p.mean[row] = mean;

@@ -90,13 +90,15 @@ static bool tiled_layout_ok(const struct nk_norm_args *a)
  * The norm variants (enum nk_features, docs/VARIANTS.md) a family runs:
  * every family the weight offset (added to gamma where it is read), the
  * tiled family the residual add (forward; backward: ds) and FP8 output, the
- * fused family all of them anywhere.
+ * tma_slice backward ds, the fused family all of them anywhere.
  */
-static unsigned family_features(int family)
+static unsigned family_features(int family, const struct nk_norm_args *a)
 {
 	if (family == NK_FAMILY_FUSED || family == NK_FAMILY_WARP_ROWS ||
 	    family == NK_FAMILY_BLOCK_ROW)
 		return NK_FEATURES_ALL;
+	if (family == NK_FAMILY_TMA_SLICE && is_bwd(a)) /* stages ds beside x and dy */
+		return NK_FEATURE_WEIGHT_OFFSET | NK_FEATURE_RESIDUAL;
 	return NK_FEATURE_WEIGHT_OFFSET;
 }
 
@@ -457,13 +459,19 @@ static bool smem_variant_fits(const struct nk_norm_args *a, const struct nk_devi
 
 /* ---- tma_slice (sm_90) ------------------------------------------------------ */
 
+/* The tensors a tma_slice backward stages a row of: x and dy, and ds for the residual add. */
+static int tma_bwd_buffers(const struct nk_norm_args *a)
+{
+	return (nk_norm_features(a) & NK_FEATURE_RESIDUAL) ? 3 : 2;
+}
+
 size_t tma_stage_bytes(const struct nk_norm_args *a, const Shape &s)
 {
 	const int64_t nvec = a->cols / vec_of(a);
 	const int64_t slice = (nvec + s.K - 1) / (s.K > 0 ? s.K : 1);
-	/* Backward: x and dy, R rows (one block) or a slice, each rounded to 128 bytes. */
+	/* Backward: x, dy (and ds), R rows (one block) or a slice, each rounded to 128 bytes. */
 	if (is_bwd(a))
-		return (size_t)s.stages * 2 * 16 * (size_t)((s.R * slice + 7) / 8 * 8);
+		return (size_t)s.stages * tma_bwd_buffers(a) * 16 * (size_t)((s.R * slice + 7) / 8 * 8);
 	/* Forward: R consecutive rows (one block a row), or a cluster block's slice. */
 	const int64_t rows = s.K > 1 ? (slice + 7) / 8 * 8 : (int64_t)s.R * nvec;
 	return (size_t)s.stages * 16 * (size_t)((rows + 7) / 8 * 8);
@@ -500,11 +508,11 @@ static bool tma_shape_ok(const struct nk_norm_args *a, const struct nk_device_in
 /*
  * A tma_slice variant on clusters of K blocks, `per_sm` (1 or 2) blocks a
  * multiprocessor (two need at most 256 threads, for the registers, and
- * half its shared memory), TMA_STAGES rows deep or as many as fit (at
- * least 3). False if none fits the job.
+ * half its shared memory), `stages` rows deep or as many as fit (at least
+ * 3). False if none fits the job.
  */
-static bool tma_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int K,
-			int per_sm, struct nk_variant *v)
+static bool tma_variant_staged(const struct nk_norm_args *a, const struct nk_device_info *dev,
+			       int K, int per_sm, int stages, struct nk_variant *v)
 {
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
@@ -548,7 +556,7 @@ static bool tma_variant(const struct nk_norm_args *a, const struct nk_device_inf
 		 * multiprocessor), a warp's lanes split into rows.
 		 */
 		const int64_t G = pow2_ceil((slice + nv - 1) / nv);
-		const int64_t r = (int64_t)65536 / per_sm / (2 * slice * 16);
+		const int64_t r = (int64_t)65536 / per_sm / (tma_bwd_buffers(a) * slice * 16);
 		const int64_t rmax = MAX_THREADS / per_sm / G;
 		R = (int)(r < rmax ? (r > 1 ? r : 1) : rmax);
 		threads = R * G;
@@ -563,7 +571,7 @@ static bool tma_variant(const struct nk_norm_args *a, const struct nk_device_inf
 	v->rows_per_block = (uint16_t)R;
 	v->vec_elems = (uint16_t)vec;
 	const size_t share = REF_SMEM_PER_SM / (size_t)per_sm - TMA_STATIC_SMEM - 1024;
-	for (int st = TMA_STAGES; st >= 3; st--) {
+	for (int st = stages; st >= 3; st--) {
 		v->param = tma_param(nv, st, K, tma_units_cap(K, per_sm));
 		const Shape s = shape_of(v);
 		if (tma_shape_ok(a, dev, s) && tma_stage_bytes(a, s) <= share)
@@ -572,9 +580,17 @@ static bool tma_variant(const struct nk_norm_args *a, const struct nk_device_inf
 	return false;
 }
 
+/* tma_variant_staged, TMA_STAGES rows deep or as many as fit. */
+static bool tma_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int K,
+			int per_sm, struct nk_variant *v)
+{
+	return tma_variant_staged(a, dev, K, per_sm, TMA_STAGES, v);
+}
+
 /*
  * The tma_slice backward on the fewest blocks a row whose slices fit
- * MAX_THREADS threads, one block a multiprocessor. Where that leaves a
+ * MAX_THREADS threads and whose stages fit shared memory (ds takes a third
+ * of a stage), one block a multiprocessor. Where that leaves a
  * multiprocessor fewer than MAX_THREADS threads (16 warps, too few to keep
  * the row's loads in flight), the fewest blocks (at most 4) whose slices
  * fit half as many, two blocks a multiprocessor. False past a cluster of
@@ -584,8 +600,12 @@ static bool tma_fewest_blocks(const struct nk_norm_args *a, const struct nk_devi
 			      struct nk_variant *v)
 {
 	const int64_t nvec = a->cols / vec_of(a), nv = TMA_ELEMS / vec_of(a);
-	const int64_t K = (nvec + MAX_THREADS * nv - 1) / (MAX_THREADS * nv);
-	if (!is_bwd(a) || K > TMA_MAX_CLUSTER || !tma_variant(a, dev, (int)K, 1, v))
+	int64_t K = (nvec + MAX_THREADS * nv - 1) / (MAX_THREADS * nv);
+	if (!is_bwd(a))
+		return false;
+	while (K <= TMA_MAX_CLUSTER && !tma_variant(a, dev, (int)K, 1, v))
+		K++;
+	if (K > TMA_MAX_CLUSTER)
 		return false;
 	const int64_t K2 = (nvec + MAX_THREADS / 2 * nv - 1) / (MAX_THREADS / 2 * nv);
 	struct nk_variant two;
@@ -704,11 +724,14 @@ static int add_tma_candidates(const struct nk_norm_args *a, const struct nk_devi
 	}
 	if (a->cols / vec_of(a) <= 512)
 		return n;
+	int k_of[12], per_sm_of[12], chosen[5], nchosen = 0;
 	for (int k = 0; k < 6; k++) {
 		for (int per_sm = 1; per_sm <= 2; per_sm++) {
 			if (!tma_variant(a, dev, ks[k], per_sm, &all[m]) || all[m].threads < 128)
 				continue;
 			warps[m] = per_sm * all[m].threads / 32;
+			k_of[m] = ks[k];
+			per_sm_of[m] = per_sm;
 			m++;
 		}
 	}
@@ -721,7 +744,15 @@ static int add_tma_candidates(const struct nk_norm_args *a, const struct nk_devi
 		if (best < 0)
 			break;
 		warps[best] = 0;
+		chosen[nchosen++] = best;
 		n = append_new(out, n, max, &all[best]);
+	}
+	/* The three with the most warps again, deeper: more rows in flight where a stage is small. */
+	for (int i = 0; i < nchosen && i < 3 && n < max; i++) {
+		if (tma_variant_staged(a, dev, k_of[chosen[i]], per_sm_of[chosen[i]], TMA_DEEP_STAGES,
+				       &v) &&
+		    shape_of(&v).stages > TMA_STAGES)
+			n = append_new(out, n, max, &v);
 	}
 	return n;
 }
@@ -778,6 +809,8 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 	if (nk_norm_features(args) & ~NK_FEATURE_WEIGHT_OFFSET) { /* and the fused family */
 		if (fused_variant(args, &v))
 			n = append_new(out, n, max, &v);
+		if (is_bwd(args)) /* tma_slice runs the residual's ds */
+			n = add_tma_candidates(args, dev, out, n, max);
 		return n;
 	}
 	n = add_tma_candidates(args, dev, out, n, max);
@@ -826,7 +859,7 @@ bool nk_cuda_variant_fits(const struct nk_norm_args *args, const struct nk_devic
 	const unsigned features = nk_norm_features(args);
 	if (variant->family == NK_FAMILY_FUSED)
 		return features != 0;
-	if (features & ~family_features(variant->family))
+	if (features & ~family_features(variant->family, args))
 		return false;
 	Shape s = shape_of(variant);
 	switch (variant->family) {

@@ -275,7 +275,7 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
  * 7: 16-bit RMSNorm forward rows of 1025-4096 columns take four vectors a
  *    thread, as LayerNorm's do (2026-11-25).
  */
-#define NK_VARIANT_SET 7
+#define NK_VARIANT_SET 8
 
 /* Which kernel family a variant runs. */
 enum nk_variant_family {
