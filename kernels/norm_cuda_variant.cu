@@ -592,8 +592,8 @@ static bool tma_variant(const struct nk_norm_args *a, const struct nk_device_inf
  * MAX_THREADS threads and whose stages fit shared memory (ds takes a third
  * of a stage), one block a multiprocessor. Where that leaves a
  * multiprocessor fewer than MAX_THREADS threads (16 warps, too few to keep
- * the row's loads in flight), the fewest blocks (at most 4) whose slices
- * fit half as many, two blocks a multiprocessor. False past a cluster of
+ * the row's loads in flight) and the rows have no ds, the fewest blocks
+ * (at most 4) whose slices fit half as many, two blocks a multiprocessor. False past a cluster of
  * TMA_MAX_CLUSTER blocks, or where neither fits.
  */
 static bool tma_fewest_blocks(const struct nk_norm_args *a, const struct nk_device_info *dev,
@@ -609,7 +609,8 @@ static bool tma_fewest_blocks(const struct nk_norm_args *a, const struct nk_devi
 		return false;
 	const int64_t K2 = (nvec + MAX_THREADS / 2 * nv - 1) / (MAX_THREADS / 2 * nv);
 	struct nk_variant two;
-	if (v->threads < MAX_THREADS && K2 <= 4 && tma_variant(a, dev, (int)K2, 2, &two))
+	const bool ds = nk_norm_features(a) & NK_FEATURE_RESIDUAL; /* a third more in flight */
+	if (!ds && v->threads < MAX_THREADS && K2 <= 4 && tma_variant(a, dev, (int)K2, 2, &two))
 		*v = two;
 	return true;
 }
