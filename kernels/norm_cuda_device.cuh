@@ -88,6 +88,30 @@ template <typename S> __device__ __forceinline__ uint4 pack(const float *f)
 	return b.u;
 }
 
+template <> __device__ __forceinline__ uint4 pack<__half>(const float *f)
+{
+	union {
+		uint4 u;
+		__half2 h[4];
+	} b;
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		b.h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+	return b.u;
+}
+
+template <> __device__ __forceinline__ uint4 pack<__nv_bfloat16>(const float *f)
+{
+	union {
+		uint4 u;
+		__nv_bfloat162 h[4];
+	} b;
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		b.h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+	return b.u;
+}
+
 /* N elements of S at p (16-byte aligned) into floats, through L1. */
 template <int N, typename S> __device__ __forceinline__ void load_weights(const S *p, float *f)
 {

@@ -109,6 +109,12 @@ static const struct rule rules[] = {
     {FWD,     X16,   EITHER,   PLAIN,    0,  1,     8192,  TILED(4, 256),
      "four vectors a thread in blocks of 256 (four blocks a multiprocessor) beat one or two "
      "vectors and tma_slice (tiled forward: 16-bit, up to 8192 columns)"},
+    {RMS_FWD, X16,   EITHER,   PLAIN,    0,  8193,  16384, TILED(4, 256),
+     "four vectors a thread on one block a row beat the staged row once bf16 unpacked in one "
+     "instruction an element (tiled forward: 16-bit, past 8192 columns)"},
+    {LN_FWD,  X16,   EITHER,   PLAIN,    0,  12289, 16384, TILED(4, 256),
+     "four vectors a thread on one block a row beat the staged row at 16384 columns "
+     "(tiled forward: 16-bit, past 8192 columns)"},
     {FWD,     X16,   EITHER,   PLAIN,    0,  8193,  WIDEST, SMEM(4),
      "wider 16-bit rows leave the tiled kernel one or two blocks a multiprocessor, and it ran "
      "unevenly there where the staged row did not (block_smem forward: 16-bit, past 8192 columns)"},
