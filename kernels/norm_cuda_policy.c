@@ -49,8 +49,8 @@ enum {
 	ALL_OPS = FWD | BWD,
 };
 
-/* Which storage dtypes of x a rule takes: 16-bit (f16, bf16), fp32. */
-enum { X16 = 1u << 0, X32 = 1u << 1, ANY_X = X16 | X32 };
+/* Which storage dtypes of x a rule takes: bf16, f16, either (X16), fp32. */
+enum { XBF16 = 1u << 0, XF16 = 1u << 2, X16 = XBF16 | XF16, X32 = 1u << 1, ANY_X = X16 | X32 };
 
 /* Which backward a rule takes (a forward job is a standard one). */
 enum memeff_match { EITHER, STANDARD, MEMEFF };
@@ -69,7 +69,7 @@ enum { PLAIN = 0, VARIANTS = NK_FEATURES_ALL };
 /* One rule: when it applies, and the shape it asks for. */
 struct rule {
 	unsigned ops;		  /* LN_FWD, ..., ALL_OPS */
-	unsigned x;		  /* X16, X32, ANY_X */
+	unsigned x;		  /* XBF16, XF16, X16, X32, ANY_X */
 	enum memeff_match memeff; /* EITHER, STANDARD, MEMEFF */
 	unsigned runs;		  /* PLAIN, VARIANTS: the norm variants the shape runs */
 	int min_sm;		  /* compute capability major at least (0: any device) */
@@ -109,9 +109,12 @@ static const struct rule rules[] = {
     {FWD,     X16,   EITHER,   PLAIN,    0,  1,     8192,  TILED(4, 256),
      "four vectors a thread in blocks of 256 (four blocks a multiprocessor) beat one or two "
      "vectors and tma_slice (tiled forward: 16-bit, up to 8192 columns)"},
-    {RMS_FWD, X16,   EITHER,   PLAIN,    0,  8193,  16384, TILED(4, 256),
+    {RMS_FWD, XBF16, EITHER,   PLAIN,    0,  8193,  16384, TILED(4, 256),
      "four vectors a thread on one block a row beat the staged row once bf16 unpacked in one "
      "instruction an element (tiled forward: 16-bit, past 8192 columns)"},
+    {RMS_FWD, XF16,  EITHER,   PLAIN,    0,  8193,  12288, TILED(4, 256),
+     "the same for fp16 up to 12288 columns; at 16384 the staged row stayed ahead "
+     "(tiled forward: 16-bit, past 8192 columns)"},
     {LN_FWD,  X16,   EITHER,   PLAIN,    0,  12289, 16384, TILED(4, 256),
      "four vectors a thread on one block a row beat the staged row at 16384 columns "
      "(tiled forward: 16-bit, past 8192 columns)"},
@@ -206,7 +209,7 @@ static bool rule_applies(const struct rule *r, const struct nk_norm_args *a,
 			 const struct nk_device_info *dev)
 {
 	const bool memeff = (a->flags & NK_MEMORY_EFFICIENT) != 0;
-	const unsigned x = nk_dtype_size(a->dtype) == 2 ? X16 : X32;
+	const unsigned x = a->dtype == NK_BF16 ? XBF16 : a->dtype == NK_F16 ? XF16 : X32;
 
 	const unsigned runs = r->runs | NK_FEATURE_WEIGHT_OFFSET; /* every family runs it */
 	if (!(r->ops & (1u << a->op)) || !(r->x & x) || (nk_norm_features(a) & ~runs) != 0)

@@ -420,7 +420,8 @@ static void expect_fwd(enum nk_op op, enum nk_dtype dt, int64_t cols,
 /*
  * The forward rules: 16-bit rows of up to 8192 columns on the tiled kernel, four
  * vectors a thread, 256 threads (no tma_slice, on sm_90 either); RMSNorm up to
- * 16384 columns and LayerNorm from 12289 to 16384 too, one block a row; wider
+ * 16384 columns (fp16: 12288) and LayerNorm from 12289 to 16384 too, one block
+ * a row; wider
  * 16-bit rows staged (block_smem, four vectors a thread); fp32 RMSNorm two
  * vectors a thread up to 1024 vectors, LayerNorm four up to 2048, then
  * eight.
@@ -458,6 +459,7 @@ static void test_fwd_defaults(void **state)
 	expect_fwd(NK_LAYERNORM_FWD, NK_BF16, 12288, &h100, NK_FAMILY_BLOCK_SMEM, 384, 4);
 	expect_fwd(NK_RMSNORM_FWD, NK_BF16, 12288, &h100, NK_FAMILY_BLOCK_ROW, 384, 4);
 	expect_fwd(NK_LAYERNORM_FWD, NK_BF16, 12296, &h100, NK_FAMILY_BLOCK_ROW, 416, 4);
+	expect_fwd(NK_RMSNORM_FWD, NK_F16, 16384, &h100, NK_FAMILY_BLOCK_SMEM, 512, 4);
 	expect_fwd(NK_RMSNORM_FWD, NK_F32, 128, &h100, NK_FAMILY_WARP_ROWS, 256, 2);
 	expect_fwd(NK_RMSNORM_FWD, NK_F32, 4096, &a100, NK_FAMILY_BLOCK_ROW, 512, 2);
 	expect_fwd(NK_RMSNORM_FWD, NK_F32, 4100, &h100, NK_FAMILY_BLOCK_ROW, 160, 8);
