@@ -177,21 +177,21 @@ static const struct rule rules[] = {
     {FWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED_CLUSTER(MOST, 256),
      "a variant row wider still is shared by a cluster of blocks (sm_90; norm variants: "
      "forward)"},
+    {BWD,     X16,   EITHER,   VARIANTS, 9,  1,     512,   TMA(1),
+     "rows on a warp's lanes staged by tma_slice with their ds beat the tiled rows "
+     "(norm variants: backward)"},
+    {BWD,     X32,   EITHER,   VARIANTS, 9,  4096,  WIDEST, TMA_FEWEST_BLOCKS,
+     "fp32 rows of 1024 vectors and more: tma_slice stages ds beside x and dy "
+     "(norm variants: backward)"},
     {BWD,     X16,   EITHER,   VARIANTS, 0,  1,     4096,  TILED(1, 256),
      "threads of one vector load ds before the row's reduction, hiding its latency "
      "(norm variants: backward)"},
     {BWD,     X32,   EITHER,   VARIANTS, 0,  1,     4096,  TILED(2, 256),
      "threads of two fp32 vectors load ds before the row's reduction, hiding its latency "
      "(norm variants: backward)"},
-    {BWD,     X16,   STANDARD, VARIANTS, 9,  8192,  WIDEST, TMA_FEWEST_BLOCKS,
-     "tma_slice stages ds beside x and dy, and beat the tiled rows from 1024 vectors as it "
-     "does for plain rows (norm variants: backward)"},
-    {BWD,     X32,   STANDARD, VARIANTS, 9,  4097,  WIDEST, TMA_FEWEST_BLOCKS,
-     "tma_slice stages ds beside x and dy, and beat the tiled rows from 1024 vectors as it "
-     "does for plain rows (norm variants: backward)"},
-    {BWD,     ANY_X, MEMEFF,   VARIANTS, 9,  8192,  WIDEST, TMA_FEWEST_BLOCKS,
-     "the same for memory-efficient rows, one block a row included, where the tiled rows "
-     "reload ds (norm variants: backward)"},
+    {BWD,     X16,   EITHER,   VARIANTS, 9,  8192,  WIDEST, TMA_FEWEST_BLOCKS,
+     "16-bit rows of 1024 vectors and more: tma_slice stages ds beside x and dy "
+     "(norm variants: backward)"},
     {BWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED(MOST, 256),
      "wider rows on one block add ds to dx as they store it (norm variants: backward)"},
     {BWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED_SPLIT(MOST, 256),

@@ -367,8 +367,8 @@ static void run_backward(const struct tcase *c)
 /* Every case, each on the variant `named` says. */
 static void run_suite(bool quick)
 {
-	/* Whole vectors (tiled by default): 1000, 4096, 12288, 32768 (a cluster). */
-	static const int64_t widths[] = {1, 7, 33, 1000, 4096, 4097, 12288, 16387, 32768};
+	/* Whole vectors: 128 and 512 (backward: tma_slice rows on a warp's lanes), 1000, 4096, 8192 and 12288 (backward: tma_slice), 32768 (a cluster). */
+	static const int64_t widths[] = {1, 7, 33, 128, 512, 1000, 4096, 4097, 8192, 12288, 16387, 32768};
 	static const enum nk_dtype dts[][2] = {
 	    {NK_F32, NK_F32}, {NK_F16, NK_F16}, {NK_BF16, NK_BF16}, {NK_BF16, NK_F32}};
 	static const float offsets[] = {0.0f, 1.0f, 0.5f};
