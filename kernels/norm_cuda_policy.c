@@ -112,9 +112,6 @@ static const struct rule rules[] = {
     {RMS_FWD, XBF16, EITHER,   PLAIN,    0,  8193,  16384, TILED(4, 256),
      "four vectors a thread on one block a row beat the staged row once bf16 unpacked in one "
      "instruction an element (tiled forward: 16-bit, past 8192 columns)"},
-    {RMS_FWD, XF16,  EITHER,   PLAIN,    0,  8193,  12288, TILED(4, 256),
-     "the same for fp16 up to 12288 columns; at 16384 the staged row stayed ahead "
-     "(tiled forward: 16-bit, past 8192 columns)"},
     {LN_FWD,  X16,   EITHER,   PLAIN,    0,  12289, 16384, TILED(4, 256),
      "four vectors a thread on one block a row beat the staged row at 16384 columns "
      "(tiled forward: 16-bit, past 8192 columns)"},

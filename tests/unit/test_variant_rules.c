@@ -420,7 +420,7 @@ static void expect_fwd(enum nk_op op, enum nk_dtype dt, int64_t cols,
 /*
  * The forward rules: 16-bit rows of up to 8192 columns on the tiled kernel, four
  * vectors a thread, 256 threads (no tma_slice, on sm_90 either); RMSNorm up to
- * 16384 columns (fp16: 12288) and LayerNorm from 12289 to 16384 too, one block
+ * 16384 columns (bf16 only) and LayerNorm from 12289 to 16384 too, one block
  * a row; wider
  * 16-bit rows staged (block_smem, four vectors a thread); fp32 RMSNorm two
  * vectors a thread up to 1024 vectors, LayerNorm four up to 2048, then
@@ -455,7 +455,8 @@ static void test_fwd_defaults(void **state)
 	expect_fwd(NK_RMSNORM_FWD, NK_BF16, 4104, &a100, NK_FAMILY_BLOCK_ROW, 160, 4);
 	expect_fwd(NK_LAYERNORM_FWD, NK_F16, 8200, &h100, NK_FAMILY_BLOCK_SMEM, 288, 4);
 	/* 16-bit RMSNorm from 8193 columns, LayerNorm from 12289, to 16384: the tiled kernel. */
-	expect_fwd(NK_RMSNORM_FWD, NK_F16, 8200, &h100, NK_FAMILY_BLOCK_ROW, 288, 4);
+	expect_fwd(NK_RMSNORM_FWD, NK_BF16, 8200, &h100, NK_FAMILY_BLOCK_ROW, 288, 4);
+	expect_fwd(NK_RMSNORM_FWD, NK_F16, 8200, &h100, NK_FAMILY_BLOCK_SMEM, 288, 4);
 	expect_fwd(NK_LAYERNORM_FWD, NK_BF16, 12288, &h100, NK_FAMILY_BLOCK_SMEM, 384, 4);
 	expect_fwd(NK_RMSNORM_FWD, NK_BF16, 12288, &h100, NK_FAMILY_BLOCK_ROW, 384, 4);
 	expect_fwd(NK_LAYERNORM_FWD, NK_BF16, 12296, &h100, NK_FAMILY_BLOCK_ROW, 416, 4);
