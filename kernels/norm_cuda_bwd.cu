@@ -245,16 +245,15 @@ __device__ __forceinline__ void vector_terms(const Params &p, uint4 xr, uint4 dy
 
 /*
  * DS: the residual add's backward, dx += ds. Threads of up to 8 elements
- * load a row's ds before its reduction, which hides the load's latency;
- * wider ones load it as they store dx (holding it longer spilled
- * registers).
+ * load the next row's ds with its x and dy, a row ahead of its use; wider
+ * ones load it as they store dx (holding it longer spilled registers).
  */
 template <typename T, typename W, int NV, bool SW, bool DS>
 __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	constexpr int E = NV * VEC;
-	constexpr bool DS_EARLY = DS && E <= 8;
+	constexpr bool DS_AHEAD = DS && E <= 8;
 	__shared__ RedSmem sm;
 	extern __shared__ float4 staged[]; /* SW: the weights, see Staged */
 	const int g = threadIdx.x / p.G, t = threadIdx.x % p.G;
@@ -264,7 +263,7 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 	const bool sums = p.f & (F_DGAMMA | F_DBETA);
 	const bool presums = p.f & F_PRESUMS;
 	int vi[NV];
-	uint4 cx[NV], cd[NV], cs[DS_EARLY ? NV : 1];
+	uint4 cx[NV], cd[NV], cs[DS_AHEAD ? NV : 1];
 	float ag[E], ab[E];
 	int parity = 0;
 
@@ -280,17 +279,19 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 		stage_weights<T, W, NV>(p, rank, staged);
 	bool cvalid = first < iters && first * p.R + g < p.rows;
 	load_row<T, NV>(p, first * p.R + g, cvalid, vi, cx, cd);
+	if (DS_AHEAD)
+		load_ds<T, NV>(p, first * p.R + g, cvalid, vi, cs);
 	RowStats cst = load_stats(p, first * p.R + g, cvalid);
 	for (int64_t it = first; it < iters; it += stride) {
 		const int64_t row = it * p.R + g, next = (it + stride) * p.R + g;
 		const bool valid = row < p.rows;
 		const bool nvalid = it + stride < iters && next < p.rows;
-		uint4 nx[NV], nd[NV];
+		uint4 nx[NV], nd[NV], ns[DS_AHEAD ? NV : 1];
 		float s[2] = {0.0f, 0.0f};
 
 		load_row<T, NV>(p, next, nvalid, vi, nx, nd);
-		if (DS_EARLY)
-			load_ds<T, NV>(p, row, valid, vi, cs);
+		if (DS_AHEAD)
+			load_ds<T, NV>(p, next, nvalid, vi, ns);
 		RowStats nst = load_stats(p, next, nvalid);
 #pragma unroll
 		for (int j = 0; j < NV && !presums; j++) {
@@ -328,7 +329,7 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 				dx[i] = cst.rstd * (gg[i] - m1 - xh[i] * m2);
 			if (DS) {
 				float ds[VEC];
-				unpack<T>(DS_EARLY ? cs[j]
+				unpack<T>(DS_AHEAD ? cs[j]
 						   : load_stream(reinterpret_cast<const uint4 *>(
 								 static_cast<const T *>(p.ds) +
 								 row * p.cols) +
@@ -347,6 +348,8 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 		for (int j = 0; j < NV; j++) {
 			cx[j] = nx[j];
 			cd[j] = nd[j];
+			if (DS_AHEAD)
+				cs[j] = ns[j];
 		}
 		cst = nst;
 		parity ^= 1;
@@ -441,8 +444,9 @@ int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaS
  * itself (x or y, and dy) is staged in shared memory by cp.async, two
  * stages deep: while a row is reduced and written, the next one is in
  * flight (not three: the larger carve-out leaves L1 too small for the
- * weights; BENCHMARKS.md, block_smem backward: stages). A thread reads back only the slots it copied itself, so the
- * stages need no barrier; one block (cluster) reduction a row remains.
+ * weights; BENCHMARKS.md, block_smem backward: stages). A thread reads
+ * back only the slots it copied itself, so the stages need no barrier; one
+ * block (cluster) reduction a row remains.
  * Partial row u of the workspace is row group u's; the grid is
  * min(rows, units_cap) groups. Cluster blocks have at most 256 threads, so
  * that the cluster reduction finds registers to spare beside the sums.

@@ -797,6 +797,21 @@ bool nk__variant_build(const struct nk_norm_args *args, const struct nk_device_i
 	return false;
 }
 
+/* Appends the tiled shapes: the most vectors a thread down to one, rows on 128-512 threads. */
+static int add_tiled_candidates(const struct nk_norm_args *a, const struct nk_device_info *dev,
+				struct nk_variant *out, int n, int max)
+{
+	struct nk_variant v;
+	for (int nv = max_nv(a); nv >= 1 && n < max; nv /= 2) {
+		for (int k = 0; k < 12 && n < max; k++) {
+			int wt = 128 << (k % 3), bm = k % 6 < 3 ? MAX_THREADS : 256;
+			if (tiled_variant(a, dev, nv, wt, bm, k >= 6, &v))
+				n = append_new(out, n, max, &v);
+		}
+	}
+	return n;
+}
+
 int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_device_info *dev,
 			       struct nk_variant *out, int max)
 {
@@ -812,7 +827,7 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 			n = append_new(out, n, max, &v);
 		if (is_bwd(args)) /* tma_slice runs the residual's ds */
 			n = add_tma_candidates(args, dev, out, n, max);
-		return n;
+		return add_tiled_candidates(args, dev, out, n, max);
 	}
 	n = add_tma_candidates(args, dev, out, n, max);
 	/*
@@ -841,13 +856,7 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 		n = append_new(out, n, max, &v);
 	}
 	n = add_ring_candidates(args, dev, out, n, max);
-	for (int nv = max_nv(args); nv >= 1 && n < max; nv /= 2) {
-		for (int k = 0; k < 12 && n < max; k++) {
-			int wt = 128 << (k % 3), bm = k % 6 < 3 ? MAX_THREADS : 256;
-			if (tiled_variant(args, dev, nv, wt, bm, k >= 6, &v))
-				n = append_new(out, n, max, &v);
-		}
-	}
+	n = add_tiled_candidates(args, dev, out, n, max);
 	generic_variant(args, &v);
 	return append_new(out, n, max, &v);
 }

@@ -10,7 +10,7 @@
  * generic one at unaligned widths), widths staged in shared memory and
  * wider ones, and bit-identical
  * weight gradients run to run. Outputs are poisoned (0xff) before each run.
- * Usage: test_fused_cuda [--quick] (GPU 0); --quick runs a subset (three
+ * Usage: test_fused_cuda [--quick] (GPU 0); --quick runs a subset (five
  * widths, two dtypes), for compute-sanitizer.
  */
 #include <cuda_runtime_api.h>
@@ -367,14 +367,20 @@ static void run_backward(const struct tcase *c)
 /* Every case, each on the variant `named` says. */
 static void run_suite(bool quick)
 {
-	/* Whole vectors: 128 and 512 (backward: tma_slice rows on a warp's lanes), 1000, 4096, 8192 and 12288 (backward: tma_slice), 32768 (a cluster). */
-	static const int64_t widths[] = {1, 7, 33, 128, 512, 1000, 4096, 4097, 8192, 12288, 16387, 32768};
+	/*
+	 * Whole vectors: 128 and 512 (backward: tma_slice rows on a warp's
+	 * lanes), 1000 and 4096 (tiled), 8192 and 12288 (backward: tma_slice),
+	 * 32768 (a cluster).
+	 */
+	static const int64_t widths[] = {1,    7,    33,   128,   512,   1000,
+					 4096, 4097, 8192, 12288, 16387, 32768};
 	static const enum nk_dtype dts[][2] = {
 	    {NK_F32, NK_F32}, {NK_F16, NK_F16}, {NK_BF16, NK_BF16}, {NK_BF16, NK_F32}};
 	static const float offsets[] = {0.0f, 1.0f, 0.5f};
 	for (size_t w = 0; w < sizeof(widths) / sizeof(widths[0]); w++) {
-		if (quick && widths[w] != 7 && widths[w] != 1000 && widths[w] != 16387 &&
-		    widths[w] != 32768)
+		const int64_t cols = widths[w];
+		if (quick && cols != 7 && cols != 512 && cols != 1000 && cols != 16387 &&
+		    cols != 32768)
 			continue;
 		for (size_t d = 0; d < sizeof(dts) / sizeof(dts[0]); d++) {
 			if (quick && d != 0 && d != 2)
@@ -384,7 +390,7 @@ static void run_suite(bool quick)
 					for (int v = 0; v < 4; v++) {
 						struct tcase c = {.op = (enum nk_op)op, .dt = dts[d][0],
 								  .wdt = dts[d][1], .rows = 37,
-								  .cols = widths[w],
+								  .cols = cols,
 								  .offset = offsets[o]};
 						c.residual = v != 1;
 						c.in_place = v == 2;
