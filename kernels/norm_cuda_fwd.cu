@@ -13,15 +13,16 @@
  * resident, whose loads are what keeps device memory busy (fwd_tiled).
  * The weight is offset + gamma (the weight-offset variant; offset 0 for
  * the plain norm). The norm variants of docs/VARIANTS.md run on instances
- * of their own (Var): FP8 output on the plain kernel's occupancy, the
- * residual add (x and residual loaded together, s stored before the
- * statistics) on one block of 128 registers a multiprocessor.
+ * of their own (Var): FP8 output, one instance a format, on the plain
+ * kernel's occupancy; the residual add (x and residual loaded together, s
+ * stored before the statistics) on one block of 128 registers a
+ * multiprocessor.
  *
  * Built by `make` (nvcc -O3, sm_80 and sm_90 machine code plus compute_90
  * PTX); fwd_tiled is instantiated for the five (x, weight) dtype pairs, NV
  * in {1, 2, 4, 8} with NV * VEC <= 32 elements a thread, LayerNorm and
  * RMSNorm, plus a FULL twin without bounds checks for the 16-bit pairs,
- * plus the two variant instances (NV <= 4); block_smem once for LayerNorm
+ * plus the three variant instances (NV <= 4); block_smem once for LayerNorm
  * and once for RMSNorm. Timed by
  * bench/bench_norm.c with CUDA events against the device's copy
  * bandwidth.
