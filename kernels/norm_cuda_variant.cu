@@ -508,11 +508,11 @@ static bool tma_shape_ok(const struct nk_norm_args *a, const struct nk_device_in
 /*
  * A tma_slice variant on clusters of K blocks, `per_sm` (1 or 2) blocks a
  * multiprocessor (two need at most 256 threads, for the registers, and
- * half its shared memory), `stages` rows deep or as many as fit (at least
- * 3). False if none fits the job.
+ * half its shared memory), TMA_STAGES rows deep or as many as fit (at
+ * least 3). False if none fits the job.
  */
-static bool tma_variant_staged(const struct nk_norm_args *a, const struct nk_device_info *dev,
-			       int K, int per_sm, int stages, struct nk_variant *v)
+static bool tma_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int K,
+			int per_sm, struct nk_variant *v)
 {
 	const int vec = vec_of(a);
 	const int64_t nvec = a->cols / vec;
@@ -571,7 +571,7 @@ static bool tma_variant_staged(const struct nk_norm_args *a, const struct nk_dev
 	v->rows_per_block = (uint16_t)R;
 	v->vec_elems = (uint16_t)vec;
 	const size_t share = REF_SMEM_PER_SM / (size_t)per_sm - TMA_STATIC_SMEM - 1024;
-	for (int st = stages; st >= 3; st--) {
+	for (int st = TMA_STAGES; st >= 3; st--) {
 		v->param = tma_param(nv, st, K, tma_units_cap(K, per_sm));
 		const Shape s = shape_of(v);
 		if (tma_shape_ok(a, dev, s) && tma_stage_bytes(a, s) <= share)
@@ -580,21 +580,14 @@ static bool tma_variant_staged(const struct nk_norm_args *a, const struct nk_dev
 	return false;
 }
 
-/* tma_variant_staged, TMA_STAGES rows deep or as many as fit. */
-static bool tma_variant(const struct nk_norm_args *a, const struct nk_device_info *dev, int K,
-			int per_sm, struct nk_variant *v)
-{
-	return tma_variant_staged(a, dev, K, per_sm, TMA_STAGES, v);
-}
-
 /*
  * The tma_slice backward on the fewest blocks a row whose slices fit
  * MAX_THREADS threads and whose stages fit shared memory (ds takes a third
  * of a stage), one block a multiprocessor. Where that leaves a
  * multiprocessor fewer than MAX_THREADS threads (16 warps, too few to keep
  * the row's loads in flight) and the rows have no ds, the fewest blocks
- * (at most 4) whose slices fit half as many, two blocks a multiprocessor. False past a cluster of
- * TMA_MAX_CLUSTER blocks, or where neither fits.
+ * (at most 4) whose slices fit half as many, two blocks a multiprocessor.
+ * False past a cluster of TMA_MAX_CLUSTER blocks, or where neither fits.
  */
 static bool tma_fewest_blocks(const struct nk_norm_args *a, const struct nk_device_info *dev,
 			      struct nk_variant *v)
@@ -725,14 +718,11 @@ static int add_tma_candidates(const struct nk_norm_args *a, const struct nk_devi
 	}
 	if (a->cols / vec_of(a) <= 512)
 		return n;
-	int k_of[12], per_sm_of[12], chosen[5], nchosen = 0;
 	for (int k = 0; k < 6; k++) {
 		for (int per_sm = 1; per_sm <= 2; per_sm++) {
 			if (!tma_variant(a, dev, ks[k], per_sm, &all[m]) || all[m].threads < 128)
 				continue;
 			warps[m] = per_sm * all[m].threads / 32;
-			k_of[m] = ks[k];
-			per_sm_of[m] = per_sm;
 			m++;
 		}
 	}
@@ -745,15 +735,7 @@ static int add_tma_candidates(const struct nk_norm_args *a, const struct nk_devi
 		if (best < 0)
 			break;
 		warps[best] = 0;
-		chosen[nchosen++] = best;
 		n = append_new(out, n, max, &all[best]);
-	}
-	/* The three with the most warps again, deeper: more rows in flight where a stage is small. */
-	for (int i = 0; i < nchosen && i < 3 && n < max; i++) {
-		if (tma_variant_staged(a, dev, k_of[chosen[i]], per_sm_of[chosen[i]], TMA_DEEP_STAGES,
-				       &v) &&
-		    shape_of(&v).stages > TMA_STAGES)
-			n = append_new(out, n, max, &v);
 	}
 	return n;
 }
