@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(MAX_THREADS, 1) bwd_tma(const Params p)
 	const bool narrow = G <= 32;	  /* R rows a stage, a row on G lanes of a warp */
 	const int rank = cluster_rank(K), lo = rank * p.slice;
 	const int cnt = max(0, min(p.slice, p.nvec - lo)); /* this block's vectors of a row */
-	const int sva = (R * p.slice + 7) & ~7;		   /* vectors of x (or dy) a stage */
+	const int sva = (R * p.slice + 7) & ~7;		   /* vectors of x (dy, ds) a stage */
 	const bool has_ds = p.f & F_RESIDUAL;
 	const int nbuf = has_ds ? 3 : 2; /* x, dy and ds: sva vectors each a stage */
 	const int64_t units = (p.rows + R - 1) / R;	   /* row groups */

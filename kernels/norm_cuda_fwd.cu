@@ -47,10 +47,11 @@ constexpr bool HAS_CLUSTERS = true;
 /*
  * Which norm variants a forward instance runs (docs/VARIANTS.md): none;
  * FP8 output in e4m3 or in e5m2 (an instance a format: choosing it at run
- * time made these kernels spill); or the residual add, with or without FP8
- * output, whose second row of loads wants the registers of one block a
- * multiprocessor (the others keep the plain kernel's two, whose warps keep
- * more loads in flight). Every instance runs the weight offset.
+ * time costs registers these kernels do not have); or the residual add,
+ * with or without FP8 output, whose second row of loads wants the
+ * registers of one block a multiprocessor (the others keep the plain
+ * kernel's two, whose warps keep more loads in flight). Every instance
+ * runs the weight offset.
  */
 enum Var { VAR_NONE, VAR_E4M3, VAR_E5M2, VAR_ADD };
 
@@ -391,8 +392,10 @@ __global__ void __launch_bounds__(MAX_THREADS, VAR == VAR_ADD ? 1 : 2) fwd_tiled
 		tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E4M3>(p, sm);
 	} else if constexpr (VAR == VAR_E5M2) {
 		tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E5M2>(p, sm);
-	} else if (VAR == VAR_ADD && (p.f & F_FP8)) {
-		if (p.fp8 == NK_FP8_E4M3)
+	} else if constexpr (VAR == VAR_ADD) {
+		if (!(p.f & F_FP8))
+			tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_NONE>(p, sm);
+		else if (p.fp8 == NK_FP8_E4M3)
 			tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E4M3>(p, sm);
 		else
 			tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E5M2>(p, sm);

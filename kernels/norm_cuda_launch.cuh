@@ -124,7 +124,8 @@ size_t smem_stage_bytes(const struct nk_norm_args *a, const Shape &s,
 			const struct nk_device_info *dev);
 /*
  * Dynamic shared memory of a tma_slice variant: `stages` rows of a block's
- * slice of x and dy (backward), of x (forward, R rows a stage).
+ * slice of x, dy and (residual add) ds (backward), of x (forward, R rows a
+ * stage).
  */
 size_t tma_stage_bytes(const struct nk_norm_args *a, const Shape &s);
 

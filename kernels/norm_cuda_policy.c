@@ -110,8 +110,8 @@ static const struct rule rules[] = {
      "four vectors a thread in blocks of 256 (four blocks a multiprocessor) beat one or two "
      "vectors and tma_slice (tiled forward: 16-bit, up to 8192 columns)"},
     {RMS_FWD, XBF16, EITHER,   PLAIN,    0,  8193,  16384, TILED(4, 256),
-     "four vectors a thread on one block a row beat the staged row once bf16 unpacked in one "
-     "instruction an element (tiled forward: 16-bit, past 8192 columns)"},
+     "four vectors a thread on one block a row beat the staged row "
+     "(tiled forward: 16-bit, past 8192 columns)"},
     {LN_FWD,  X16,   EITHER,   PLAIN,    0,  12289, 16384, TILED(4, 256),
      "four vectors a thread on one block a row beat the staged row at 16384 columns "
      "(tiled forward: 16-bit, past 8192 columns)"},

@@ -804,7 +804,12 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 		return 0;
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
-	if (nk_norm_features(args) & ~NK_FEATURE_WEIGHT_OFFSET) { /* and the fused family */
+	/*
+	 * Jobs with norm variants: the fused family, and the families that run
+	 * their features (bench_norm times these; the daemon takes the rules'
+	 * default for such jobs, as its cache cannot tell them apart).
+	 */
+	if (nk_norm_features(args) & ~NK_FEATURE_WEIGHT_OFFSET) {
 		if (fused_variant(args, &v))
 			n = append_new(out, n, max, &v);
 		if (is_bwd(args)) /* tma_slice runs the residual's ds */

@@ -44,9 +44,9 @@ enum nk__build {
 	   row, one block a multiprocessor */
 	NK__TMA,
 	/* tma_slice backward on the fewest blocks a row whose slices fit 512
-	   threads; where that leaves a multiprocessor under 16 warps, on the
-	   fewest (at most 4) that fit 256 threads, two blocks a
-	   multiprocessor */
+	   threads and whose stages fit shared memory; where that leaves a
+	   multiprocessor under 16 warps and the rows have no ds, on the fewest
+	   (at most 4) that fit 256 threads, two blocks a multiprocessor */
 	NK__TMA_FEWEST_BLOCKS,
 	/* generic: scalar loads, any width, any alignment; refuses no plain job */
 	NK__GENERIC,

@@ -274,6 +274,8 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
  *    offset (2026-11-25).
  * 7: 16-bit RMSNorm forward rows of 1025-4096 columns take four vectors a
  *    thread, as LayerNorm's do (2026-11-25).
+ * 8: tma_slice backward runs ds; 16-bit forward rows of 8193-16384 columns
+ *    on the tiled kernel (2026-11-25).
  */
 #define NK_VARIANT_SET 8
 
