@@ -14,6 +14,7 @@
  * widths, two dtypes), for compute-sanitizer.
  */
 #include <cuda_runtime_api.h>
+#include <float.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -22,9 +23,6 @@
 #include <string.h>
 
 #include "kernels/norm_kernels.h"
-
-/* Absolute error of an unscaled fp32 y (about 30 ulp at 1) an FP8 code may carry near zero. */
-#define FP8_NEAR_ZERO_TOL 4e-6
 
 static int passed, failed;
 static struct nk_device_info dev;
@@ -132,8 +130,12 @@ struct tcase {
 	enum nk_fp8 fp8;
 	bool memeff;
 	bool in_place;   /* fwd: y over x and residual_out over residual; bwd: dx over dy */
+	int dx_over;     /* bwd, with in_place: DX_OVER_DY (the default), DX_OVER_DS, DX_OVER_X */
 	bool special;    /* fwd: a NaN in one row of x and an infinity in another */
 };
+
+/* Which input a backward writes dx over (docs/VARIANTS.md, in-place forms). */
+enum { DX_OVER_DY, DX_OVER_DS, DX_OVER_X };
 
 static bool is_bwd(enum nk_op op)
 {
@@ -149,10 +151,12 @@ static void report(const struct tcase *c, bool ok, const char *what)
 	failed++;
 	fprintf(stderr,
 		"FAIL %s%s %s w%s rows=%lld cols=%lld residual=%d offset=%g fp8=%s memeff=%d "
-		"in_place=%d%s: %s\n", named ? "fused " : "",
+		"in_place=%d%s%s: %s\n", named ? "fused " : "",
 		nk_op_name(c->op), nk_dtype_name(c->dt), nk_dtype_name(c->wdt), (long long)c->rows,
 		(long long)c->cols, c->residual, c->offset, nk_fp8_name(c->fp8), c->memeff,
-		c->in_place, c->special ? " special" : "", what);
+		c->in_place, c->in_place && c->dx_over == DX_OVER_DS ? " (dx over ds)"
+			     : c->in_place && c->dx_over == DX_OVER_X ? " (dx over x)" : "",
+		c->special ? " special" : "", what);
 }
 
 static void run_forward(const struct tcase *c)
@@ -231,12 +235,21 @@ static void run_forward(const struct tcase *c)
 			if ((gb ^ rb) & 0x80 && gv != 0 && rv != 0)
 				dist = 1000;
 			/*
-			 * Near zero, where (x - mean) * rstd * g cancels against b, y's
-			 * absolute fp32 error (a few ulp of the terms, about 1) spans
-			 * several of the subnormal codes a large scale reaches.
+			 * Near zero, where (s - mean) * rstd * w cancels against b, y's
+			 * absolute fp32 error (a few ulp of those terms) spans several
+			 * of the subnormal codes a large scale reaches: a code further
+			 * than the next counts as one within 8 ulp of the terms.
 			 */
-			if (dist > 1 && fabs(gv - rv) <= FP8_NEAR_ZERO_TOL * scale_value)
-				dist = 1;
+			if (dist > 1) {
+				const size_t row = i / (size_t)c->cols, col = i % (size_t)c->cols;
+				const double sv = nk_load(c->dt, c->residual ? href_so : x.host, i);
+				const double w = nk_load(c->wdt, g.host, col) + c->offset;
+				const double bb = ln ? nk_load(c->wdt, b.host, col) : 0.0;
+				const double terms = fabs((sv - (ln ? hmean[row] : 0.0)) * hrstd[row] * w) +
+						     fabs(bb);
+				if (fabs(gv - rv) <= 8.0 * FLT_EPSILON * terms * scale_value)
+					dist = 1;
+			}
 			worst = dist > worst ? dist : worst;
 		}
 		char msg[160];
@@ -320,7 +333,12 @@ static void run_backward(const struct tcase *c)
 	h.ds = c->residual ? ds.host : NULL;
 	report(c, nk_cpu_norm(&h, &ref, NULL) == NK_OK, "the reference refused the job");
 
-	a.x = x.dev, a.dy = dy.dev, a.dx = c->in_place ? dy.dev : dx.dev, a.rstd = rstd.dev;
+	/* dx's memory: its own, or (in place) the input it is written over */
+	struct buf *out = !c->in_place		    ? &dx
+			  : c->dx_over == DX_OVER_DS ? &ds
+			  : c->dx_over == DX_OVER_X  ? &x
+						     : &dy;
+	a.x = x.dev, a.dy = dy.dev, a.dx = out->dev, a.rstd = rstd.dev;
 	a.mean = ln && !c->memeff ? mean.dev : NULL;
 	a.gamma = g.dev, a.beta = ln ? b.dev : NULL, a.dgamma = dg.dev, a.dbeta = ln ? db.dev : NULL;
 	a.ds = c->residual ? ds.dev : NULL;
@@ -328,13 +346,13 @@ static void run_backward(const struct tcase *c)
 	buf_make(&work, wbytes);
 	void *dg1 = malloc(dg.bytes), *got = malloc(dx.bytes);
 	for (int run = 0; run < 2; run++) {
-		up(&dy); /* dx over dy overwrote it */
+		up(&x), up(&dy), up(&ds); /* dx in place overwrote one of them */
 		poison(&dx), poison(&dg), poison(&db);
 		struct nk_cuda_exec exec = {0, work.dev, wbytes, NULL};
 		int rc = nk_cuda_norm(&a, &dev, named, &exec, NULL);
 		cuda_ok(cudaDeviceSynchronize(), "backward");
 		report(c, rc == NK_OK, nk_cuda_last_error());
-		down(c->in_place ? &dy : &dx, got);
+		down(out, got);
 		double e = rel_l2(c->dt, got, hdx, n);
 		char msg[96];
 		snprintf(msg, sizeof(msg), "dx relative L2 %.3g", e);
@@ -362,6 +380,38 @@ static void run_backward(const struct tcase *c)
 	free(dg1), free(got), free(hdx), free(hdg), free(hdb), free(yfwd);
 	buf_free(&x), buf_free(&dy), buf_free(&ds), buf_free(&dx), buf_free(&mean);
 	buf_free(&rstd), buf_free(&g), buf_free(&b), buf_free(&dg), buf_free(&db), buf_free(&work);
+}
+
+/*
+ * Backward rows with ds well past the grid (units_cap times the rows a
+ * block holds), so that a block walks several rows: the tiled kernel's ds
+ * loaded a row ahead and tma_slice's stage refills; dx in its own memory
+ * and over dy, ds and x.
+ */
+static void run_many_rows(bool quick)
+{
+	static const int64_t widths[] = {128, 512, 1024, 4096, 8192};
+	static const int64_t rows[] = {25349, 6341, 1589, 401, 401};
+	static const enum nk_dtype dts[] = {NK_BF16, NK_F32};
+	for (size_t w = 0; w < sizeof(widths) / sizeof(widths[0]); w++) {
+		for (size_t d = 0; d < sizeof(dts) / sizeof(dts[0]); d++) {
+			if (quick && (widths[w] != 512 || dts[d] != NK_BF16))
+				continue;
+			for (int op = NK_LAYERNORM_BWD; op <= NK_RMSNORM_BWD; op += 2) {
+				for (int memeff = 0; memeff < 2; memeff++) {
+					for (int alias = -1; alias <= DX_OVER_X; alias++) {
+						struct tcase c = {.op = (enum nk_op)op, .dt = dts[d],
+								  .wdt = dts[d], .rows = rows[w],
+								  .cols = widths[w], .residual = true,
+								  .memeff = memeff != 0,
+								  .in_place = alias >= 0,
+								  .dx_over = alias < 0 ? 0 : alias};
+						run_backward(&c);
+					}
+				}
+			}
+		}
+	}
 }
 
 /* Every case, each on the variant `named` says. */
@@ -434,6 +484,7 @@ int main(int argc, char **argv)
 	for (int pass = 0; pass < 2; pass++) {
 		named = pass ? &fused_variant : NULL;
 		run_suite(quick);
+		run_many_rows(quick);
 	}
 	printf("test_fused_cuda: %d passed, %d failed\n", passed, failed);
 	return failed ? 1 : 0;
