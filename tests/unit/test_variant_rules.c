@@ -478,6 +478,49 @@ static void test_fwd_defaults(void **state)
 	assert_int_equal(v.family, NK_FAMILY_GENERIC);
 }
 
+/* The default of a backward job with ds: family, threads, blocks a row (tma_slice). */
+static void expect_ds_bwd(enum nk_op op, enum nk_dtype dt, unsigned flags, int64_t cols,
+			  const struct nk_device_info *d, int family, int threads, int blocks)
+{
+	struct nk_norm_args a = make_job(op, dt, dt, flags, cols, rows_for(cols));
+	a.ds = fake_tensor(11);
+	struct nk_variant v;
+	char name[96];
+
+	assert_int_equal(nk_cuda_variant_default(&a, d, &v), NK_OK);
+	nk_variant_name(&v, name, sizeof(name));
+	print_message("%s%s +ds %s cols %lld cc %d: %s\n", nk_op_name(op),
+		      flags ? " memeff" : "", nk_dtype_name(dt), (long long)cols, d->cc_major, name);
+	assert_int_equal(v.family, family);
+	assert_int_equal(v.threads, threads);
+	if (family == NK_FAMILY_TMA_SLICE)
+		assert_int_equal(v.param >> 8 & 0xff, blocks);
+	assert_true(nk_cuda_variant_fits(&a, d, &v));
+}
+
+/*
+ * Backward rows with ds on sm_90: 16-bit rows of up to 512 columns on
+ * tma_slice rows of a warp's lanes, up to 4096 on the tiled kernel, from
+ * 8192 on tma_slice with one block a multiprocessor (12288: two blocks of
+ * 384 threads, not three of 256 at two a multiprocessor), memory-efficient
+ * included; fp32 from 4096 on tma_slice, with more blocks where one
+ * block's stages with ds do not fit (8192: two). sm_80: the tiled kernel
+ * (split rows at 8192).
+ */
+static void test_ds_bwd_defaults(void **state)
+{
+	(void)state;
+	expect_ds_bwd(NK_LAYERNORM_BWD, NK_BF16, 0u, 128, &h100, NK_FAMILY_TMA_SLICE, 512, 1);
+	expect_ds_bwd(NK_RMSNORM_BWD, NK_BF16, 0u, 1024, &h100, NK_FAMILY_BLOCK_ROW, 256, 0);
+	expect_ds_bwd(NK_LAYERNORM_BWD, NK_BF16, 0u, 8192, &h100, NK_FAMILY_TMA_SLICE, 512, 1);
+	expect_ds_bwd(NK_LAYERNORM_BWD, NK_BF16, NK_MEMORY_EFFICIENT, 8192, &h100,
+		      NK_FAMILY_TMA_SLICE, 512, 1);
+	expect_ds_bwd(NK_RMSNORM_BWD, NK_F16, 0u, 12288, &h100, NK_FAMILY_TMA_SLICE, 384, 2);
+	expect_ds_bwd(NK_RMSNORM_BWD, NK_F32, 0u, 4096, &h100, NK_FAMILY_TMA_SLICE, 256, 1);
+	expect_ds_bwd(NK_LAYERNORM_BWD, NK_F32, 0u, 8192, &h100, NK_FAMILY_TMA_SLICE, 256, 2);
+	expect_ds_bwd(NK_LAYERNORM_BWD, NK_BF16, 0u, 8192, &a100, NK_FAMILY_BLOCK_ROW, 256, 0);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -488,6 +531,7 @@ int main(void)
 	    cmocka_unit_test(test_one_block_memeff_stays_tiled),
 	    cmocka_unit_test(test_corrupt_tma_slice_refused),
 	    cmocka_unit_test(test_fwd_defaults),
+	    cmocka_unit_test(test_ds_bwd_defaults),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
