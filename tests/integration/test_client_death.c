@@ -184,12 +184,9 @@ static void test_fd_flood(void **state)
 	int fds[FDS];
 	for (int i = 0; i < FDS; i++)
 		fds[i] = make_memfd(4096);
-	Normd__Ping ping = NORMD__PING__INIT;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = 3;
-	env.body_case = NORMD__ENVELOPE__BODY_PING;
-	env.ping = &ping;
+	Normd__Ping ping;
+	Normd__Envelope env;
+	raw_ping_init(&env, &ping, 3);
 	uint8_t *frame;
 	size_t len;
 	assert_int_equal(nc__frame_pack(&env, UINT32_MAX, &frame, &len), 0);

@@ -96,12 +96,9 @@ static void test_idle_after_hello_stays(void **state)
 	assert_true(fd >= 0);
 	assert_int_equal(raw_hello(fd), 0);
 	assert_false(raw_closed(fd, 3 * DEADLINE_MS));
-	Normd__Ping ping = NORMD__PING__INIT;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = 7;
-	env.body_case = NORMD__ENVELOPE__BODY_PING;
-	env.ping = &ping;
+	Normd__Ping ping;
+	Normd__Envelope env;
+	raw_ping_init(&env, &ping, 7);
 	assert_int_equal(raw_send(fd, &env), 0);
 	Normd__Envelope *reply = raw_recv(fd, 5000);
 	assert_non_null(reply);

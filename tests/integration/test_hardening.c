@@ -30,20 +30,6 @@
 #define REGION_ID 5
 #define REGION_BYTES 65536
 
-/* A raw connection that has said Hello (and maybe registered REGION_ID). */
-struct raw {
-	int fd;
-	uint64_t next_id;
-};
-
-static void raw_open(struct raw *r)
-{
-	r->fd = raw_connect(group_daemon.socket);
-	assert_true(r->fd >= 0);
-	assert_int_equal(raw_hello(r->fd), 0);
-	r->next_id = 100;
-}
-
 /* A sealable memfd of `bytes`, optionally sealed against shrinking. */
 static int make_memfd(size_t bytes, unsigned flags)
 {
@@ -123,7 +109,7 @@ static void unregister_region(struct raw *r, uint64_t id, Normd__Status status,
 
 static void raw_open_with_region(struct raw *r)
 {
-	raw_open(r);
+	assert_int_equal(raw_start(r, group_daemon.socket), 0);
 	int memfd = make_memfd(REGION_BYTES, MFD_ALLOW_SEALING);
 	register_region(r, REGION_ID, memfd, REGION_BYTES, NORMD__STATUS__OK, NULL);
 	close(memfd);
@@ -175,7 +161,7 @@ static void bytes_expect_close(const uint8_t *body, size_t len, bool hello_first
 {
 	struct raw r;
 	if (hello_first) {
-		raw_open(&r);
+		assert_int_equal(raw_start(&r, group_daemon.socket), 0);
 	} else {
 		r.fd = raw_connect(group_daemon.socket);
 		assert_true(r.fd >= 0);
@@ -276,7 +262,7 @@ static void test_pipelined_registration(void **state)
 {
 	(void)state;
 	struct raw r;
-	raw_open(&r);
+	assert_int_equal(raw_start(&r, group_daemon.socket), 0);
 	int memfd = make_memfd(REGION_BYTES, MFD_ALLOW_SEALING);
 	register_send(&r, 500, REGION_ID, memfd, REGION_BYTES);
 	close(memfd);
@@ -331,7 +317,7 @@ static void test_out_of_order_messages(void **state)
 {
 	(void)state;
 	struct raw r;
-	raw_open(&r);
+	assert_int_equal(raw_start(&r, group_daemon.socket), 0);
 	Normd__Hello hello = NORMD__HELLO__INIT;
 	hello.protocol_version = NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION;
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
@@ -343,12 +329,9 @@ static void test_out_of_order_messages(void **state)
 	env2.body_case = NORMD__ENVELOPE__BODY_PONG;
 	env2.pong = &pong;
 	call_expect(&r, &env2, NORMD__STATUS__PROTOCOL_ERROR, "message type 20");
-	Normd__Ping ping = NORMD__PING__INIT;
-	Normd__Envelope env3 = NORMD__ENVELOPE__INIT;
-	env3.has_request_id = true;
-	env3.request_id = 77;
-	env3.body_case = NORMD__ENVELOPE__BODY_PING;
-	env3.ping = &ping;
+	Normd__Ping ping;
+	Normd__Envelope env3;
+	raw_ping_init(&env3, &ping, 77);
 	assert_int_equal(raw_send(r.fd, &env3), 0);
 	Normd__Envelope *reply = raw_recv(r.fd, 5000);
 	assert_non_null(reply);
@@ -524,7 +507,7 @@ static void test_bad_memfds(void **state)
 {
 	(void)state;
 	struct raw r;
-	raw_open(&r);
+	assert_int_equal(raw_start(&r, group_daemon.socket), 0);
 	/* A pipe is not a memfd. */
 	int pipe_fds[2];
 	assert_int_equal(pipe(pipe_fds), 0);
@@ -552,12 +535,9 @@ static void test_bad_memfds(void **state)
 /* Sends a Ping (request `request`) with `pass_fd` attached, or none for -1; expects the Pong. */
 static void ping_with_fd(struct raw *r, uint64_t request, int pass_fd)
 {
-	Normd__Ping ping = NORMD__PING__INIT;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = request;
-	env.body_case = NORMD__ENVELOPE__BODY_PING;
-	env.ping = &ping;
+	Normd__Ping ping;
+	Normd__Envelope env;
+	raw_ping_init(&env, &ping, request);
 	assert_int_equal(pass_fd >= 0 ? raw_send_with_fd(r->fd, &env, pass_fd) : raw_send(r->fd, &env),
 			 0);
 	Normd__Envelope *reply = raw_recv(r->fd, 5000);
@@ -578,7 +558,7 @@ static void test_stray_fd_closed(void **state)
 {
 	(void)state;
 	struct raw r;
-	raw_open(&r);
+	assert_int_equal(raw_start(&r, group_daemon.socket), 0);
 	ping_with_fd(&r, 60, -1);
 	int base = test_daemon_fd_count(&group_daemon);
 	assert_true(base > 0);
@@ -595,12 +575,9 @@ static void test_stray_fd_closed(void **state)
 	assert_int_equal(test_daemon_fd_count(&group_daemon), base);
 	/* A Ping with the stray fd and the registration with its own fd, back to back. */
 	int own = make_memfd(8192, MFD_ALLOW_SEALING);
-	Normd__Ping ping = NORMD__PING__INIT;
-	Normd__Envelope ping_env = NORMD__ENVELOPE__INIT;
-	ping_env.has_request_id = true;
-	ping_env.request_id = 71;
-	ping_env.body_case = NORMD__ENVELOPE__BODY_PING;
-	ping_env.ping = &ping;
+	Normd__Ping ping;
+	Normd__Envelope ping_env;
+	raw_ping_init(&ping_env, &ping, 71);
 	raw_register_init(&env, &reg, 72, 2, 8192);
 	assert_int_equal(raw_send_with_fd(r.fd, &ping_env, stray), 0);
 	assert_int_equal(raw_send_with_fd(r.fd, &env, own), 0);
@@ -626,7 +603,7 @@ static void test_cuda_ipc_handle_length(void **state)
 {
 	(void)state;
 	struct raw r;
-	raw_open(&r);
+	assert_int_equal(raw_start(&r, group_daemon.socket), 0);
 	uint8_t handle[65] = {0};
 	static const size_t lengths[] = {0, 10, 63, 65};
 	for (size_t i = 0; i < sizeof(lengths) / sizeof(lengths[0]); i++) {

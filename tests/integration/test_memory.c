@@ -89,12 +89,9 @@ static uint64_t daemon_status_bytes(const char *field)
 /* PINGS Ping frames of equal size, back to back. */
 static size_t pack_pings(uint8_t *buf, size_t cap)
 {
-	Normd__Ping ping = NORMD__PING__INIT;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = 7;
-	env.body_case = NORMD__ENVELOPE__BODY_PING;
-	env.ping = &ping;
+	Normd__Ping ping;
+	Normd__Envelope env;
+	raw_ping_init(&env, &ping, 7);
 	size_t len = 0;
 	for (int i = 0; i < PINGS; i++)
 		assert_int_equal(raw_pack_into(&env, buf, cap, &len), 0);

@@ -103,12 +103,9 @@ static void test_error_reply_before_close(void **state)
 	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	/* A Ping before Hello is answered with PROTOCOL_ERROR, then the daemon hangs up. */
-	Normd__Ping ping = NORMD__PING__INIT;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = 7;
-	env.body_case = NORMD__ENVELOPE__BODY_PING;
-	env.ping = &ping;
+	Normd__Ping ping;
+	Normd__Envelope env;
+	raw_ping_init(&env, &ping, 7);
 	assert_int_equal(raw_send(fd, &env), 0);
 	Normd__Envelope *reply = raw_recv(fd, 10000);
 	assert_non_null(reply);

@@ -30,20 +30,6 @@
 #define CHUNK (2u << 20)
 #define MAX_SEND 80 /* fds one test frame may carry: more than the daemon's FIFO */
 
-/* A raw connection that has said Hello. */
-struct raw {
-	int fd;
-	uint64_t next_id;
-};
-
-static void raw_open(struct raw *r)
-{
-	r->fd = raw_connect(group_daemon.socket);
-	assert_true(r->fd >= 0);
-	assert_int_equal(raw_hello(r->fd), 0);
-	r->next_id = 100;
-}
-
 static void sleep_ms(int ms)
 {
 	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
@@ -109,12 +95,9 @@ static void register_chunks(struct raw *r, Normd__RegionKind kind, const uint64_
 /* The connection still answers a Ping after a refusal. */
 static void still_answers(struct raw *r)
 {
-	Normd__Ping ping = NORMD__PING__INIT;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = r->next_id++;
-	env.body_case = NORMD__ENVELOPE__BODY_PING;
-	env.ping = &ping;
+	Normd__Ping ping;
+	Normd__Envelope env;
+	raw_ping_init(&env, &ping, r->next_id++);
 	assert_int_equal(raw_send(r->fd, &env), 0);
 	Normd__Envelope *reply = raw_recv(r->fd, 5000);
 	assert_non_null(reply);
@@ -126,7 +109,7 @@ static void still_answers(struct raw *r)
 #define REFUSED(kind, sizes, n_sizes, size, fd_count, status, needle)                      \
 	do {                                                                               \
 		struct raw r;                                                              \
-		raw_open(&r);                                                              \
+		assert_int_equal(raw_start(&r, group_daemon.socket), 0);                   \
 		int base = fd_count_settles(test_daemon_fd_count(&group_daemon));          \
 		register_chunks(&r, kind, sizes, n_sizes, size, fd_count, status, needle); \
 		still_answers(&r);                                                         \
@@ -224,7 +207,7 @@ static void test_next_frame_unaffected(void **state)
 {
 	(void)state;
 	struct raw r;
-	raw_open(&r);
+	assert_int_equal(raw_start(&r, group_daemon.socket), 0);
 	register_chunks(&r, NORMD__REGION_KIND__CUDA_VMM_FD, sizes64, 2, 2ull * CHUNK, 3,
 			NORMD__STATUS__INVALID_ARGUMENT, "3 fds for 2 chunks");
 	int memfd = test_memfd(8192, MFD_ALLOW_SEALING);

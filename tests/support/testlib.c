@@ -228,6 +228,16 @@ void raw_register_init(Normd__Envelope *env, Normd__RegisterRegion *reg, uint64_
 	env->register_region = reg;
 }
 
+void raw_ping_init(Normd__Envelope *env, Normd__Ping *ping, uint64_t request_id)
+{
+	normd__ping__init(ping);
+	normd__envelope__init(env);
+	env->has_request_id = true;
+	env->request_id = request_id;
+	env->body_case = NORMD__ENVELOPE__BODY_PING;
+	env->ping = ping;
+}
+
 int raw_send(int fd, Normd__Envelope *env)
 {
 	uint8_t *frame;
@@ -313,6 +323,13 @@ int raw_hello(int fd)
 	int rc = reply ? 0 : -1;
 	nc__envelope_free(reply);
 	return rc;
+}
+
+int raw_start(struct raw *r, const char *socket_path)
+{
+	r->fd = raw_connect(socket_path);
+	r->next_id = 100;
+	return r->fd >= 0 && raw_hello(r->fd) == 0 ? 0 : -1;
 }
 
 static int read_exact(int fd, uint8_t *buf, size_t len, int timeout_ms)

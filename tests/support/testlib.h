@@ -47,6 +47,9 @@ int test_memfd(size_t bytes, unsigned flags);
 void raw_register_init(Normd__Envelope *env, Normd__RegisterRegion *reg, uint64_t request_id,
 		       uint64_t region_id, uint64_t size);
 
+/* Makes `env` Ping request `request_id` (body `ping`). */
+void raw_ping_init(Normd__Envelope *env, Normd__Ping *ping, uint64_t request_id);
+
 /* Raw connection: returns a connected fd or -1. */
 int raw_connect(const char *socket_path);
 /* Writes all bytes; returns 0 or -1. */
@@ -61,6 +64,13 @@ int raw_send_with_fds(int fd, Normd__Envelope *env, const int *pass_fds, unsigne
 int raw_pack_into(Normd__Envelope *env, uint8_t *buf, size_t cap, size_t *len);
 /* Sends Hello (request id 1) and reads the HelloReply; returns 0 or -1. */
 int raw_hello(int fd);
+/* A raw connection that has said Hello, and the request id its next request takes. */
+struct raw {
+	int fd;
+	uint64_t next_id;
+};
+/* Connects r to the daemon at socket_path and says Hello, next_id 100; returns 0 or -1. */
+int raw_start(struct raw *r, const char *socket_path);
 /*
  * The same, returning the whole reply (body HELLO_REPLY, with the devices the
  * public nc_server_info does not describe), or NULL. Free with nc__envelope_free().
