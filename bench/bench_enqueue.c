@@ -34,11 +34,15 @@
  * gated segment still blocks the host, the alarm opens the gate and the
  * measurement fails with a message instead of hanging.
  *
- * Usage: bench_enqueue [--socket PATH] [--json FILE|-] [--calls N] [--chain N]
- *                      [--seconds S] [--procs 1,4,16] [--no-sync] [-- normd options...]
+ * Usage: bench_enqueue [--socket PATH] [--device N] [--json FILE|-] [--calls N]
+ *                      [--chain N] [--seconds S] [--procs 1,4,16] [--no-sync]
+ *                      [--no-rate] [-- normd options...]
  *   --socket PATH  use the normd at PATH (e.g. one started under MPS) instead
- *                  of starting `normd --device 0` (from $NORMD_BIN, else the
+ *                  of starting `normd --device N` (from $NORMD_BIN, else the
  *                  bin/normd beside this program's bench/ directory)
+ *   --device N     the GPU the caller's memory and streams are on (0); a
+ *                  daemon at --socket must serve it
+ *   --no-rate      skip part 3 (the aggregate rate)
  *   --json FILE    also write the results as one JSON object ('-': stdout)
  */
 #include <cuda_runtime_api.h>
@@ -76,6 +80,8 @@ struct options {
 	int procs[MAX_PROCS];     /* process counts of the aggregate rate */
 	int nprocs;
 	bool sync;                /* measure the synchronous mode too */
+	bool rate;                /* measure part 3, the aggregate rate */
+	int device;               /* the caller's GPU (CUDA ordinal) */
 	const char *const *daemon_args;
 };
 
@@ -240,31 +246,6 @@ static struct summary summarize(double *v, int n)
 	return s;
 }
 
-/* Reads exactly len bytes within timeout_ms; 0, or -1 on timeout, EOF or error. */
-static int read_within(int fd, void *buf, size_t len, int timeout_ms)
-{
-	size_t got = 0;
-	double deadline = now_us() + timeout_ms * 1e3;
-	while (got < len) {
-		int left = (int)((deadline - now_us()) / 1e3);
-		struct pollfd p = {.fd = fd, .events = POLLIN};
-		if (left <= 0)
-			return -1;
-		int n = poll(&p, 1, left);
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n <= 0)
-			return -1;
-		ssize_t r = read(fd, (char *)buf + got, len - got);
-		if (r < 0 && errno == EINTR)
-			continue;
-		if (r <= 0)
-			return -1;
-		got += (size_t)r;
-	}
-	return 0;
-}
-
 /* Waits up to timeout_ms for the child, then kills it. Its wait status, or -1. */
 static int reap_within(pid_t pid, int timeout_ms)
 {
@@ -345,7 +326,7 @@ static int in_child(const char *what, int (*fn)(const struct options *, void *),
 	}
 	close(fds[1]);
 	/* The child's own alarms end it long before this; EOF comes at once if it dies. */
-	int got = read_within(fds[0], out, len, (CHILD_TIMEOUT_S + 30) * 1000);
+	int got = test_read_within(fds[0], out, len, (CHILD_TIMEOUT_S + 30) * 1000);
 	close(fds[0]);
 	/* A child that died closed the pipe as it went: a moment to reap it, else kill it. */
 	int status = reap_within(pid, got == 0 ? 30000 : 5000);
@@ -392,7 +373,8 @@ static int tiny_open(struct tiny *t, const struct options *o, const char *name)
 {
 	memset(t, 0, sizeof(*t));
 	cudaError_t err = cudaSuccess;
-	if ((err = cudaMalloc((void **)&t->base, 2 * TENSOR_BYTES + COLS * 2)) != cudaSuccess ||
+	if ((err = cudaSetDevice(o->device)) != cudaSuccess ||
+	    (err = cudaMalloc((void **)&t->base, 2 * TENSOR_BYTES + COLS * 2)) != cudaSuccess ||
 	    tiny_upload(t->base) != 0 ||
 	    (err = cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking)) != cudaSuccess) {
 		fprintf(stderr, "bench_enqueue: CUDA set-up failed: %s\n",
@@ -530,10 +512,10 @@ static int host_cost_child(const struct options *o, void *out)
 /* ---- 2. the dependent chain --------------------------------------------------------------------
  */
 
-static void device_info(struct nk_device_info *dev)
+static void device_info(int device, struct nk_device_info *dev)
 {
 	struct cudaDeviceProp prop;
-	cudaGetDeviceProperties(&prop, 0);
+	cudaGetDeviceProperties(&prop, device);
 	memset(dev, 0, sizeof(*dev));
 	dev->sm_count = prop.multiProcessorCount;
 	dev->max_threads_per_sm = prop.maxThreadsPerMultiProcessor;
@@ -705,7 +687,7 @@ static int chain_setup(struct chain_ctx *c, const struct options *o)
 	memset(c, 0, sizeof(*c));
 	if (tiny_open(&c->t, o, "bench-enqueue-chain") != 0)
 		return -1;
-	device_info(&c->dev);
+	device_info(o->device, &c->dev);
 	nk_cuda_variant_default(&c->t.args[0], &c->dev, &c->variant);
 	size_t ws = nk_cuda_workspace_bytes(&c->t.args[0], &c->dev, &c->variant);
 	c->exec = (struct nk_cuda_exec){c->t.stream, NULL, ws, NULL};
@@ -937,7 +919,7 @@ static int rate_run(const struct options *o, int procs, bool sync_mode, double *
 	for (int p = 0; p < procs && rc == 0; p++) {
 		struct proc_result res;
 		/* EOF at once if every process has ended. */
-		rc = read_within(out[0], &res, sizeof(res), (int)(o->seconds * 1000) + 90000);
+		rc = test_read_within(out[0], &res, sizeof(res), (int)(o->seconds * 1000) + 90000);
 		if (rc != 0)
 			fprintf(stderr, "bench_enqueue: rate P=%d %s: %d of %d processes reported\n",
 				procs, mode, p, procs);
@@ -972,11 +954,11 @@ static int rate_run(const struct options *o, int procs, bool sync_mode, double *
 /* ---- output ------------------------------------------------------------------------------------
  */
 
-static void print_header(const struct host_cost *h, bool ok)
+static void print_header(const struct options *o, const struct host_cost *h, bool ok)
 {
-	printf("tiny job: RMSNorm fwd, rows=%d, cols=%d, bf16, gamma; normd MPS: %s, client MPS: "
-	       "%s\n",
-	       ROWS, COLS, !ok ? "?" : h->daemon_mps ? "yes" : "no",
+	printf("tiny job: RMSNorm fwd, rows=%d, cols=%d, bf16, gamma, GPU %d; normd MPS: %s, "
+	       "client MPS: %s\n",
+	       ROWS, COLS, o->device, !ok ? "?" : h->daemon_mps ? "yes" : "no",
 	       !ok ? "?" : h->client_mps ? "yes" : "no");
 }
 
@@ -1075,8 +1057,8 @@ static void write_json(const struct options *o, const struct host_cost *h, bool 
 		return;
 	}
 	fprintf(f, "{\"job\": {\"op\": \"rmsnorm_fwd\", \"rows\": %d, \"cols\": %d, \"dtype\": "
-		   "\"bf16\"},\n ",
-		ROWS, COLS);
+		   "\"bf16\"}, \"device\": %d,\n ",
+		ROWS, COLS, o->device);
 	if (h_ok)
 		fprintf(f, "\"daemon_mps\": %s, \"client_mps\": %s,\n \"host_cost\": {\"calls\": %d, ",
 			h->daemon_mps ? "true" : "false", h->client_mps ? "true" : "false",
@@ -1132,9 +1114,9 @@ static void write_json(const struct options *o, const struct host_cost *h, bool 
 
 static int usage(void)
 {
-	fprintf(stderr, "usage: bench_enqueue [--socket PATH] [--json FILE|-] [--calls N] "
-			"[--chain N] [--seconds S] [--procs 1,4,16] [--no-sync] "
-			"[-- normd options...]\n");
+	fprintf(stderr, "usage: bench_enqueue [--socket PATH] [--device N] [--json FILE|-] "
+			"[--calls N] [--chain N] [--seconds S] [--procs 1,4,16] [--no-sync] "
+			"[--no-rate] [-- normd options...]\n");
 	return 2;
 }
 
@@ -1158,15 +1140,15 @@ static int parse_procs(struct options *o, const char *list)
 static int parse(struct options *o, int argc, char **argv)
 {
 	*o = (struct options){.calls = 20000, .chain = 2000, .seconds = 2.0, .sync = true,
-			      .procs = {1, 4, 16}, .nprocs = 3};
+			      .rate = true, .procs = {1, 4, 16}, .nprocs = 3};
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (strcmp(a, "--") == 0) {
 			o->daemon_args = (const char *const *)argv + i + 1;
 			return 0;
 		}
-		if (strcmp(a, "--no-sync") == 0) {
-			o->sync = false;
+		if (strcmp(a, "--no-sync") == 0 || strcmp(a, "--no-rate") == 0) {
+			*(a[5] == 's' ? &o->sync : &o->rate) = false;
 			continue;
 		}
 		if (!v)
@@ -1182,10 +1164,13 @@ static int parse(struct options *o, int argc, char **argv)
 			o->chain = atoi(v);
 		else if (strcmp(a, "--seconds") == 0)
 			o->seconds = atof(v);
+		else if (strcmp(a, "--device") == 0)
+			o->device = atoi(v);
 		else if (strcmp(a, "--procs") != 0 || parse_procs(o, v) != 0)
 			return -1;
 	}
-	return o->calls >= 100 && o->calls <= 10000000 && o->chain >= 1 &&
+	return o->device >= 0 && o->device < 1024 && o->calls >= 100 && o->calls <= 10000000 &&
+			       o->chain >= 1 &&
 			       o->chain <= 10000000 && o->seconds > 0 && o->seconds <= 600
 		       ? 0
 		       : -1;
@@ -1254,12 +1239,14 @@ int main(int argc, char **argv)
 	struct test_daemon d;
 	bool own = !o.socket;
 	if (own) {
+		char ordinal[16];
+		snprintf(ordinal, sizeof(ordinal), "%d", o.device);
 		find_normd(argv[0]);
-		progress("starting %s --device 0", getenv("NORMD_BIN") ? getenv("NORMD_BIN")
-								       : "build/bin/normd");
-		if (test_daemon_start_on(&d, "0", o.daemon_args) != 0) {
-			fprintf(stderr,
-				"bench_enqueue: cannot start normd --device 0 (set NORMD_BIN)\n");
+		progress("starting %s --device %s",
+			 getenv("NORMD_BIN") ? getenv("NORMD_BIN") : "build/bin/normd", ordinal);
+		if (test_daemon_start_on(&d, ordinal, o.daemon_args) != 0) {
+			fprintf(stderr, "bench_enqueue: cannot start normd --device %s (set NORMD_BIN)\n",
+				ordinal);
 			return 1;
 		}
 		o.socket = d.socket;
@@ -1272,7 +1259,7 @@ int main(int argc, char **argv)
 
 	bool h_ok = in_child("host cost", host_cost_child, &o, &h, sizeof(h)) == 0;
 	failed |= !h_ok;
-	print_header(&h, h_ok);
+	print_header(&o, &h, h_ok);
 	print_host_cost(&o, &h, h_ok);
 	fflush(stdout);
 
@@ -1283,7 +1270,10 @@ int main(int argc, char **argv)
 	print_chain(&o, &c, c_ok);
 	fflush(stdout);
 
-	print_rate_header(&o);
+	if (!o.rate)
+		o.nprocs = 0;
+	else
+		print_rate_header(&o);
 	fflush(stdout);
 	for (int i = 0; i < o.nprocs; i++) {
 		struct rate *r = &rates[i];

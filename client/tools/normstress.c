@@ -315,6 +315,43 @@ static bool daemon_stats(const struct stress_opts *o, bool settle, struct nc_sta
 }
 
 /*
+ * On the CUDA backend kits are device memory: on the daemon's first GPU, or
+ * on the GPUs --devices names, which must be ones the daemon serves ("all":
+ * every one). Returns 0, or 2 after saying what is wrong.
+ */
+static int devices_resolve(struct stress_opts *o, const struct nc_server_info *info)
+{
+	unsigned served = info->device_count < MAX_DEVICES ? info->device_count : MAX_DEVICES;
+	if (!o->devices_arg || !o->on_device) {
+		if (o->devices_arg) {
+			fprintf(stderr, "normstress: --devices needs the cuda backend; the daemon "
+					"runs %s\n", info->backend);
+			return 2;
+		}
+		o->devices[0] = o->device = info->device_index[0];
+		o->n_devices = 1;
+		return 0;
+	}
+	if (strcmp(o->devices_arg, "all") == 0) {
+		for (unsigned i = 0; i < served; i++)
+			o->devices[i] = info->device_index[i];
+		o->n_devices = served;
+	}
+	for (unsigned i = 0; i < o->n_devices; i++) {
+		bool listed = false;
+		for (unsigned j = 0; j < served && !listed; j++)
+			listed = info->device_index[j] == o->devices[i];
+		if (!listed) {
+			fprintf(stderr, "normstress: --devices names GPU %d, which the daemon does "
+					"not serve\n", o->devices[i]);
+			return 2;
+		}
+	}
+	o->device = o->devices[0];
+	return o->n_devices ? 0 : 2;
+}
+
+/*
  * Connects once before anything starts: the daemon must be there, and must
  * be able to run what was asked. Returns 0, or the exit status to end with.
  */
@@ -339,9 +376,9 @@ static int preflight(struct stress *st)
 			o->inflight, info->max_jobs_in_flight);
 		status = 2;
 	}
-	/* On the CUDA backend, kits are device memory on the daemon's first GPU. */
 	st->opt.on_device = strcmp(info->backend, "cuda") == 0;
-	st->opt.device = info->device_index[0];
+	if (status == 0)
+		status = devices_resolve(&st->opt, info);
 	if (status == 0)
 		st->have_before = nc_stats_get(conn, 10000, &st->before) == 0;
 	nc_close(conn);

@@ -33,6 +33,7 @@
 #define MAX_INFLIGHT 1024         /* per thread */
 #define MAX_SIZE (1ull << 26)     /* largest rows or cols accepted on the command line */
 #define MAX_LIST 64
+#define MAX_DEVICES 16            /* GPUs nc_server_info lists */
 #define ROLES JK_ROLES            /* jobkit's tensor roles */
 #define JOB_ROLES (JK_MAIN_GRAD + 1) /* of them, those of struct nc_job (the rest: nc_job_ext) */
 #define ENQUEUE_MAX_STREAMS 64    /* streams one connection may enqueue on (normclient.h) */
@@ -71,7 +72,10 @@ struct stress_opts {
 	int timeout_ms;          /* longest wait for one reply */
 	unsigned kit_reuse;      /* jobs per kit before it is replaced; 0: never */
 	bool on_device;          /* CUDA backend: kits live in cudaMalloc memory */
-	int device;              /* ... on this GPU (the daemon's first) */
+	int device;              /* ... on this GPU (a process's: devices[proc % n_devices]) */
+	const char *devices_arg; /* --devices as given; NULL: the daemon's first GPU */
+	int devices[MAX_DEVICES]; /* the GPUs the processes take in turn (preflight) */
+	unsigned n_devices;
 };
 
 struct name_value {

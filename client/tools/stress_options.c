@@ -30,7 +30,7 @@ static const char usage_text[] =
 	"                  [--rows LIST|MIN-MAX] [--cols LIST|MIN-MAX] [--inflight K]\n"
 	"                  [--mode sync|event|enqueue] [--verify FRACTION] [--seed S]\n"
 	"                  [--json FILE] [--kill-rate R] [--bad-rate R] [--timeout MS]\n"
-	"                  [--kit-reuse N]\n"
+	"                  [--kit-reuse N] [--devices LIST|all]\n"
 	"\n"
 	"  --socket PATH      the daemon's socket ($NORMD_SOCKET, else " DEFAULT_SOCKET ")\n"
 	"  --procs N          client processes (1)\n"
@@ -54,6 +54,9 @@ static const char usage_text[] =
 	"  --bad-rate R       fraction of requests replaced by invalid ones (0)\n"
 	"  --timeout MS       longest wait for a reply before it is an error (30000)\n"
 	"  --kit-reuse N      jobs per region before it is replaced; 0: never (100)\n"
+	"  --devices LIST|all CUDA backend: the GPUs whose memory the jobs use, taken\n"
+	"                     in turn by the processes (0,1 or all: every GPU the\n"
+	"                     daemon serves; default: its first)\n"
 	"\n"
 	"Exit status: 0 if every valid job succeeded and verified and every invalid\n"
 	"request got its expected error; 1 otherwise; 2 for usage errors.\n";
@@ -104,6 +107,25 @@ static bool parse_names(const char *arg, const struct name_value *table, size_t 
 		out[(*count)++] = table[i].value;
 	}
 	return *count > 0;
+}
+
+/* --devices: "all" (resolved against the daemon's list by preflight) or ordinals "0,1". */
+static bool parse_devices(const char *arg, struct stress_opts *o)
+{
+	char buf[256], *save = NULL;
+	uint64_t u;
+	o->devices_arg = arg;
+	o->n_devices = 0;
+	if (strcmp(arg, "all") == 0)
+		return true;
+	if (snprintf(buf, sizeof(buf), "%s", arg) >= (int)sizeof(buf))
+		return false;
+	for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+		if (o->n_devices == MAX_DEVICES || !parse_u64(tok, 0, 1023, &u))
+			return false;
+		o->devices[o->n_devices++] = (int)u;
+	}
+	return o->n_devices > 0;
 }
 
 /* "A-B" (a range) or "A,B,C" (a list). */
@@ -159,7 +181,8 @@ static const struct option long_options[] = {
 	{"seed", required_argument, NULL, 'S'},	    {"json", required_argument, NULL, 'J'},
 	{"kill-rate", required_argument, NULL, 'K'}, {"bad-rate", required_argument, NULL, 'B'},
 	{"timeout", required_argument, NULL, 'T'},  {"kit-reuse", required_argument, NULL, 'R'},
-	{"help", no_argument, NULL, 'h'},	    {NULL, 0, NULL, 0},
+	{"devices", required_argument, NULL, 'G'},  {"help", no_argument, NULL, 'h'},
+	{NULL, 0, NULL, 0},
 };
 
 /* One option's value; false if it is malformed or out of bounds. */
@@ -232,6 +255,9 @@ static bool parse_one(struct stress_opts *o, int opt, const char *arg)
 	case 'R':
 		ok = parse_u64(arg, 0, UINT32_MAX, &u);
 		o->kit_reuse = (unsigned)u;
+		break;
+	case 'G':
+		ok = parse_devices(arg, o);
 		break;
 	}
 	return ok;

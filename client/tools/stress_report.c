@@ -25,6 +25,31 @@ static void print_status_map(const uint64_t *by_status)
 	printf("%s\n", any ? "" : " none");
 }
 
+/* Jobs the daemon ran on device `index` during the run, from its counters before and after. */
+static uint64_t device_jobs(const struct stress *st, int index)
+{
+	uint64_t n[2] = {0, 0};
+	const struct nc_stats *s[2] = {&st->before, &st->after};
+	for (int k = 0; k < 2; k++)
+		for (uint32_t i = 0; i < s[k]->device_count && i < NC_STATS_DEVICES; i++)
+			if (s[k]->devices[i].index == index)
+				n[k] = s[k]->devices[i].jobs_ok + s[k]->devices[i].jobs_failed;
+	return n[1] - n[0];
+}
+
+/* Where the jobs ran, by the daemon's per-device counters (other clients' jobs included). */
+static void print_devices(const struct stress *st)
+{
+	if (!st->opt.on_device || !st->have_before || !st->have_after)
+		return;
+	printf("devices    ");
+	for (unsigned i = 0; i < st->after.device_count && i < NC_STATS_DEVICES; i++)
+		printf(" GPU %d: %llu jobs%s", st->after.devices[i].index,
+		       (unsigned long long)device_jobs(st, st->after.devices[i].index),
+		       i + 1 < st->after.device_count ? "," : "");
+	printf("\n");
+}
+
 void report_text(const struct stress *st, const struct totals *t, double elapsed)
 {
 	const struct stress_opts *o = &st->opt;
@@ -49,6 +74,7 @@ void report_text(const struct stress *st, const struct totals *t, double elapsed
 	printf("errors      %llu unexpected, %u client processes failed; valid jobs failed:",
 	       (unsigned long long)n[C_UNEXPECTED], st->child_failures);
 	print_status_map(t->valid_status);
+	print_devices(st);
 	if (st->have_after)
 		printf("daemon      up; rss %.1f MiB before, %.1f MiB after (%+.1f%%); %u regions, "
 		       "%u jobs left\n",
@@ -102,6 +128,13 @@ static void json_body(FILE *f, const struct stress *st, const struct totals *t, 
 		   "\"child_failures\":%u,\"daemon_up\":%s,",
 		st->kills, (unsigned long long)st->lost, (unsigned long long)n[C_KITS],
 		st->child_failures, st->have_after ? "true" : "false");
+	fprintf(f, "\"device_jobs\":{");
+	for (unsigned i = 0; st->have_before && st->have_after && i < st->after.device_count &&
+			     i < NC_STATS_DEVICES;
+	     i++)
+		fprintf(f, "%s\"%d\":%llu", i ? "," : "", st->after.devices[i].index,
+			(unsigned long long)device_jobs(st, st->after.devices[i].index));
+	fprintf(f, "},");
 	fprintf(f, "\"daemon_rss_before\":%llu,\"daemon_rss_after\":%llu,"
 		   "\"daemon_regions_after\":%u,\"passed\":%s}\n",
 		(unsigned long long)st->before.rss_bytes, (unsigned long long)st->after.rss_bytes,

@@ -641,9 +641,14 @@ static void *worker_main(void *arg)
 /* ---- the process ------------------------------------------------------------------------ */
 
 /* Runs in the forked child; its return value is the child's exit status. */
-int worker_process_main(const struct stress_opts *o, struct shared *sh, pid_t parent,
+int worker_process_main(const struct stress_opts *all, struct shared *sh, pid_t parent,
 			unsigned proc, unsigned generation)
 {
+	/* This process's GPU: the processes take the --devices in turn. */
+	struct stress_opts mine = *all;
+	const struct stress_opts *o = &mine;
+	if (all->n_devices)
+		mine.device = all->devices[proc % all->n_devices];
 	/* Die with the parent, and leave SIGINT (a terminal's ^C) to it. */
 	if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent)
 		return 1;

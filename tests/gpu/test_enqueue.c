@@ -40,6 +40,7 @@
 #include "kernels/cuda_driver.h"
 #include "normclient.h"
 #include "tests/gpu/gpu_test.h"
+#include "tests/support/enqueue_chain.h"
 #include "tests/support/testlib.h"
 
 static struct test_daemon daemon_;
@@ -51,9 +52,7 @@ static nc_conn *connect_daemon(const char *name)
 
 static int64_t now_ns(void)
 {
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts); /* system-wide: comparable between processes */
-	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+	return enqueue_chain_now_ns(); /* system-wide: comparable between processes */
 }
 
 static double ms_since(int64_t start_ns)
@@ -75,24 +74,6 @@ static void fill_f32(float *v, size_t n, uint64_t seed, double lo, double hi)
 	uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
 	for (size_t i = 0; i < n; i++)
 		v[i] = (float)uniform(&s, lo, hi);
-}
-
-/* Reads exactly len bytes within timeout_ms; 0, or -1 on timeout, EOF or error. */
-static int read_within(int fd, void *buf, size_t len, int timeout_ms)
-{
-	size_t got = 0;
-	int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000;
-	while (got < len) {
-		int left = (int)((deadline - now_ns()) / 1000000);
-		struct pollfd p = {.fd = fd, .events = POLLIN};
-		if (left <= 0 || poll(&p, 1, left) <= 0)
-			return -1;
-		ssize_t n = read(fd, (char *)buf + got, len - got);
-		if (n <= 0)
-			return -1;
-		got += (size_t)n;
-	}
-	return 0;
 }
 
 /* Runs fn in a child process that an alarm ends after `seconds`; returns its status. */
@@ -675,90 +656,10 @@ static int good_client(void *arg)
 	return 0;
 }
 
-/* A chain of LayerNorm forward and backward jobs on two buffers, for tests 6 and 7. */
-struct long_chain {
-	const char *socket_path;
-	uint64_t rows, cols;
-	int jobs;
-	int signal_after; /* write one byte to go_fd after this many jobs were enqueued */
-	int go_fd;        /* -1: none */
-	bool backward;    /* alternate forward and backward jobs */
-};
-
-struct chain_outcome {
-	int enqueued;       /* calls that returned NC_OK */
-	int enqueue_rc;     /* the first call that did not (0: none) */
-	int cuda_rc;        /* cudaStreamSynchronize */
-	int check_rc;       /* nc_conn_check afterwards */
-	int64_t synced_ns;  /* when cudaStreamSynchronize returned (CLOCK_MONOTONIC) */
-};
-
-/* Tensors x, y, dy, dx ([rows, cols] bf16), gamma, beta ([cols]), mean, rstd ([rows] fp32). */
-static int long_chain_jobs(nc_conn *conn, const struct long_chain *lc, struct nc_job *fwd,
-			   struct nc_job *bwd, void **base_out)
-{
-	size_t t = lc->rows * lc->cols * 2, w = lc->cols * 2, r = lc->rows * 4;
-	size_t total = 4 * t + 2 * w + 2 * r;
-	char *base = NULL;
-	if (cudaMalloc((void **)&base, total) != cudaSuccess ||
-	    cudaMemset(base, 0x3c, total) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
-		return -1;
-	*base_out = base;
-	char *p[8] = {base, base + t, base + 2 * t, base + 3 * t, base + 4 * t, base + 4 * t + w,
-		      base + 4 * t + 2 * w, base + 4 * t + 2 * w + r};
-	struct nc_tensor ts[8];
-	for (int i = 0; i < 8; i++)
-		if (nc_tensor_device(conn, p[i], &ts[i]) != NC_OK)
-			return -1;
-	*fwd = (struct nc_job){.op = NC_LAYERNORM_FWD, .rows = lc->rows, .cols = lc->cols,
-			       .dtype = NC_BF16, .x = ts[0], .y = ts[1], .gamma = ts[4],
-			       .beta = ts[5], .mean = ts[6], .rstd = ts[7]};
-	*bwd = (struct nc_job){.op = NC_LAYERNORM_BWD, .rows = lc->rows, .cols = lc->cols,
-			       .dtype = NC_BF16, .x = ts[0], .dy = ts[2], .dx = ts[3],
-			       .gamma = ts[4], .beta = ts[5], .mean = ts[6], .rstd = ts[7]};
-	return 0;
-}
-
-/* Runs the chain; the outcome goes to out_fd (if >= 0). Returns 0 when every call worked. */
-static int long_chain_run(const struct long_chain *lc, int out_fd)
-{
-	struct chain_outcome o = {0};
-	nc_conn *conn = gpu_test_connect(lc->socket_path, "enqueue-chain");
-	struct nc_job fwd, bwd;
-	void *base = NULL;
-	cudaStream_t s;
-	if (!conn || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess ||
-	    long_chain_jobs(conn, lc, &fwd, &bwd, &base) != 0) {
-		fprintf(stderr, "  chain set-up: %s\n", nc_last_error());
-		return 2;
-	}
-	bool signalled = false;
-	for (int k = 0; k < lc->jobs && o.enqueue_rc == 0; k++) {
-		int rc = nc_job_enqueue(conn, lc->backward && k % 2 ? &bwd : &fwd, s);
-		if (rc == NC_OK)
-			o.enqueued++;
-		else
-			o.enqueue_rc = rc;
-		if (!signalled && lc->go_fd >= 0 && (k + 1 == lc->signal_after || rc != NC_OK)) {
-			signalled = write(lc->go_fd, "g", 1) == 1;
-		}
-	}
-	if (!signalled && lc->go_fd >= 0)
-		signalled = write(lc->go_fd, "g", 1) == 1;
-	o.cuda_rc = (int)cudaStreamSynchronize(s);
-	o.synced_ns = now_ns();
-	o.check_rc = nc_conn_check(conn, 5000);
-	if (out_fd >= 0 && write(out_fd, &o, sizeof(o)) != sizeof(o))
-		return 3;
-	cudaStreamDestroy(s);
-	cudaFree(base);
-	nc_close(conn);
-	return o.enqueue_rc == 0 && o.cuda_rc == 0 && o.check_rc == 0 ? 0 : 1;
-}
-
+/* Tests 6 and 7 run a long chain of enqueued jobs (tests/support/enqueue_chain.h). */
 static int long_chain_child(void *arg)
 {
-	return long_chain_run(arg, -1);
+	return enqueue_chain_run(arg, -1);
 }
 
 /* ---- 5. a silent client ------------------------------------------------------------------ */
@@ -802,7 +703,7 @@ static int silent_client_test(void *arg)
 	}
 	close(fds[1]);
 	char go;
-	int ready = read_within(fds[0], &go, 1, 60000);
+	int ready = test_read_within(fds[0], &go, 1, 60000);
 	close(fds[0]);
 	if (ready != 0)
 		kill(silent, SIGKILL);
@@ -827,11 +728,6 @@ static int silent_client_test(void *arg)
 
 /* ---- 6. the daemon killed mid-chain --------------------------------------------------------- */
 
-static int daemon_killed_client(struct long_chain *lc, int out_fd)
-{
-	return long_chain_run(lc, out_fd);
-}
-
 static int daemon_killed_test(void *arg)
 {
 	(void)arg;
@@ -840,26 +736,26 @@ static int daemon_killed_test(void *arg)
 	int go[2], out[2];
 	CHECK(pipe(go) == 0 && pipe(out) == 0, "pipes");
 	/* 2000 jobs of 16384 x 8192 bf16 (about 170 us each on an H100): a third of a second. */
-	struct long_chain lc = {.socket_path = d.socket, .rows = 16384, .cols = 8192,
+	struct enqueue_chain lc = {.socket_path = d.socket, .rows = 16384, .cols = 8192,
 				.jobs = 2000, .signal_after = 50, .go_fd = go[1]};
 	pid_t child = fork_helper();
 	CHECK(child >= 0, "fork");
 	if (child == 0) {
 		close(go[0]);
 		close(out[0]);
-		child_exit(daemon_killed_client(&lc, out[1]));
+		child_exit(enqueue_chain_run(&lc, out[1]));
 	}
 	close(go[1]);
 	close(out[1]);
 	char byte;
-	int started = read_within(go[0], &byte, 1, 60000);
+	int started = test_read_within(go[0], &byte, 1, 60000);
 	usleep(30 * 1000);
 	int64_t killed_ns = now_ns();
 	kill(d.pid, SIGKILL);
 	waitpid(d.pid, &d.wait_status, 0);
 	d.exited = true;
-	struct chain_outcome o = {0};
-	int got = read_within(out[0], &o, sizeof(o), 30000);
+	struct enqueue_chain_outcome o = {0};
+	int got = test_read_within(out[0], &o, sizeof(o), 30000);
 	kill(child, SIGKILL);
 	waitpid(child, NULL, 0);
 	close(go[0]);
@@ -889,7 +785,7 @@ static int killed_client_test(void *arg)
 {
 	(void)arg;
 	/* The same jobs, run to the end first: the daemon's streams and pools are warm. */
-	struct long_chain warm = {.socket_path = daemon_.socket, .rows = 16384, .cols = 4096,
+	struct enqueue_chain warm = {.socket_path = daemon_.socket, .rows = 16384, .cols = 4096,
 				  .jobs = 200, .go_fd = -1, .backward = true};
 	CHECK(in_child_timed(long_chain_child, &warm, 120) == 0, "the warm-up chain failed");
 	CHECK(gpu_test_wait_idle(daemon_.socket) == 0, "daemon not idle before");
@@ -897,7 +793,7 @@ static int killed_client_test(void *arg)
 	long long before = device_free_bytes();
 	int go[2];
 	CHECK(pipe(go) == 0, "pipe");
-	struct long_chain doomed = warm;
+	struct enqueue_chain doomed = warm;
 	doomed.jobs = 4000;
 	doomed.signal_after = 100;
 	doomed.go_fd = go[1];
@@ -905,13 +801,13 @@ static int killed_client_test(void *arg)
 	CHECK(child >= 0, "fork");
 	if (child == 0) {
 		close(go[0]);
-		long_chain_run(&doomed, -1);
+		enqueue_chain_run(&doomed, -1);
 		for (;;)
 			pause();
 	}
 	close(go[1]);
 	char byte;
-	int started = read_within(go[0], &byte, 1, 60000);
+	int started = test_read_within(go[0], &byte, 1, 60000);
 	close(go[0]);
 	usleep(20 * 1000);
 	struct nc_stats st = {0};

@@ -11,13 +11,23 @@
  *  - every device at once, a client process per device;
  *  - a job whose tensors are on two devices is refused (INVALID_ARGUMENT,
  *    naming devices), and the same job on one device runs;
+ *  - the enqueue mode (issue 21): every op enqueued on each device's
+ *    streams against the float64 reference, on each device alone, on every
+ *    device at once from a process each, and from one process enqueueing
+ *    on every device in turn;
  *  - the clients' regions are released and the daemon exits 0 on SIGTERM;
+ *  - the variant cache keeps one entry per GPU UUID: an autotuned choice of
+ *    the same key on each device, persisted to each GPU's own file and
+ *    read back from it by the next daemon;
+ *  - the daemon SIGKILLed while a client on each GPU has a long enqueued
+ *    chain: every client's stream is released within a second;
  *  - normd --device 0,1 serves both; an ordinal past the last GPU makes
  *    the daemon exit with an error at start.
  *
  * As in test_ipc, every CUDA call happens in a child process.
  */
 #include <cuda_runtime_api.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,12 +39,14 @@
 #include "normclient.h"
 #include "proto/frame.h"
 #include "tests/gpu/gpu_test.h"
+#include "tests/support/enqueue_chain.h"
 #include "tests/support/testlib.h"
 
 enum {
 	MAX_GPUS = 16,                 /* nc_server_info lists 16 devices at most */
 	EVERY_OP_JOBS = 4 * 3 * 3 * 3, /* ops x dtypes x shapes x kinds of weights */
 	AT_ONCE_JOBS = 48,             /* per device, every device at once */
+	ENQUEUE_BATCH = 12,            /* enqueued jobs per device between stream waits */
 };
 
 /* What CUDA itself says about each GPU, read in a child process. */
@@ -48,7 +60,7 @@ struct gpu_list {
 	} gpu[MAX_GPUS];
 };
 
-/* What a client process works on: a daemon's socket, a device, how many jobs. */
+/* What a client process works on: a daemon's socket, a device (-1: every one), how many jobs. */
 struct target {
 	const char *socket;
 	int device;
@@ -174,15 +186,28 @@ static int device_job_counts(uint64_t counts[MAX_GPUS])
 	return 0;
 }
 
-/* Checks that since `before`, expected[d] jobs ran on each device d: no more, no fewer. */
+/*
+ * Checks that since `before`, expected[d] jobs ran on each device d: no more,
+ * no fewer. An enqueued job counts once the daemon's loop retires it, which
+ * may be a moment after the caller's stream saw it done: up to 5 s to settle.
+ */
 static int jobs_ran_where_expected(const uint64_t before[MAX_GPUS], const int expected[MAX_GPUS])
 {
 	uint64_t after[MAX_GPUS];
-	CHECK(device_job_counts(after) == 0, "no stats");
-	for (int d = 0; d < gpus.count; d++)
-		CHECK(after[d] - before[d] == (uint64_t)expected[d], "device %d ran %llu jobs, not %d",
-		      d, (unsigned long long)(after[d] - before[d]), expected[d]);
-	return 0;
+	for (int tries = 0;; tries++) {
+		CHECK(device_job_counts(after) == 0, "no stats");
+		bool settled = true;
+		for (int d = 0; d < gpus.count; d++) {
+			uint64_t ran = after[d] - before[d];
+			CHECK(ran <= (uint64_t)expected[d], "device %d ran %llu jobs, not %d", d,
+			      (unsigned long long)ran, expected[d]);
+			settled &= ran == (uint64_t)expected[d];
+		}
+		if (settled)
+			return 0;
+		CHECK(tries < 100, "device job counts did not reach the expected ones in 5 s");
+		usleep(50 * 1000);
+	}
 }
 
 /* ---- jobs on each device ----------------------------------------------------------------- */
@@ -286,8 +311,8 @@ static int jobs_on(void *arg)
 	return 0;
 }
 
-/* A client process per device, all at once. */
-static int every_device_at_once(void)
+/* A client process per device, all at once, each running client() on `jobs` jobs. */
+static int every_device_at_once(int (*client)(void *), int jobs)
 {
 	uint64_t before[MAX_GPUS];
 	int expected[MAX_GPUS] = {0};
@@ -296,11 +321,11 @@ static int every_device_at_once(void)
 	CHECK(device_job_counts(before) == 0, "no stats");
 	fflush(NULL);
 	for (int d = 0; d < gpus.count; d++) {
-		t[d] = (struct target){.socket = daemon_.socket, .device = d, .jobs = AT_ONCE_JOBS};
-		expected[d] = AT_ONCE_JOBS;
+		t[d] = (struct target){.socket = daemon_.socket, .device = d, .jobs = jobs};
+		expected[d] = jobs;
 		pids[d] = fork();
 		if (pids[d] == 0)
-			child_exit(jobs_on(&t[d]));
+			child_exit(client(&t[d]));
 	}
 	int bad = 0;
 	for (int d = 0; d < gpus.count; d++) {
@@ -309,6 +334,105 @@ static int every_device_at_once(void)
 		       !WIFEXITED(status) || WEXITSTATUS(status) != 0;
 	}
 	CHECK(bad == 0, "%d of %d client processes failed", bad, gpus.count);
+	return jobs_ran_where_expected(before, expected);
+}
+
+/* ---- the enqueue mode -------------------------------------------------------------------- */
+
+/* One batch: n jobs per device of every_op_spec from `first`, enqueued in turn; the bad ones. */
+static int enqueue_batch(nc_conn *conn, const cudaStream_t *streams, int lo, int hi, int first,
+			 int n)
+{
+	struct jobkit kits[MAX_GPUS][ENQUEUE_BATCH];
+	bool made[MAX_GPUS][ENQUEUE_BATCH] = {{false}};
+	int bad = 0;
+	for (int d = lo; d <= hi; d++)
+		for (int i = 0; i < n; i++) {
+			struct jobkit_spec spec = every_op_spec((first + i) % EVERY_OP_JOBS, d);
+			made[d][i] = jobkit_create(conn, &spec, &kits[d][i]) == 0;
+			if (!made[d][i])
+				fprintf(stderr, "  set-up on device %d: %s\n", d, nc_last_error());
+			bad += !made[d][i];
+		}
+	/* Device by device in turn: one connection's jobs on every GPU interleaved. */
+	for (int i = 0; i < n; i++)
+		for (int d = lo; d <= hi; d++) {
+			int rc = made[d][i] ? nc_job_enqueue(conn, &kits[d][i].job, streams[d]) : NC_OK;
+			if (rc != NC_OK)
+				fprintf(stderr, "  enqueue on device %d: %s (%s)\n", d,
+					nc_status_name(rc), nc_last_error());
+			bad += rc != NC_OK;
+		}
+	for (int d = lo; d <= hi; d++) {
+		cudaError_t err = cudaSetDevice(d);
+		err = err == cudaSuccess ? cudaStreamSynchronize(streams[d]) : err;
+		bad += !cuda_ok(err, "cudaStreamSynchronize");
+	}
+	int rc = nc_conn_check(conn, 30000);
+	if (rc != NC_OK)
+		fprintf(stderr, "  nc_conn_check: %s (%s)\n", nc_status_name(rc), nc_last_error());
+	bad += rc != NC_OK;
+	for (int d = lo; d <= hi; d++)
+		for (int i = 0; i < n; i++) {
+			struct jobkit_report rep = {0};
+			if (made[d][i] && !jobkit_check(&kits[d][i], &rep)) {
+				fprintf(stderr, "  device %d, job %d: %s\n", d, first + i, rep.detail);
+				bad++;
+			}
+			if (made[d][i])
+				jobkit_destroy(&kits[d][i]);
+		}
+	return bad;
+}
+
+/*
+ * Child: t->jobs jobs of every op on t->device (-1: on every device, one
+ * connection enqueueing on a stream of each), in batches, each job checked.
+ */
+static int enqueued_on(void *arg)
+{
+	const struct target *t = arg;
+	int lo = t->device < 0 ? 0 : t->device, hi = t->device < 0 ? gpus.count - 1 : t->device;
+	cudaStream_t streams[MAX_GPUS];
+	for (int d = lo; d <= hi; d++)
+		CHECK(cuda_ok(cudaSetDevice(d), "cudaSetDevice") &&
+			      cuda_ok(cudaStreamCreateWithFlags(&streams[d], cudaStreamNonBlocking),
+				      "cudaStreamCreateWithFlags"),
+		      "a stream on device %d", d);
+	nc_conn *conn = gpu_test_connect(t->socket, "enqueue");
+	CHECK(conn, "no connection");
+	int bad = 0;
+	for (int first = 0; first < t->jobs; first += ENQUEUE_BATCH) {
+		int n = t->jobs - first < ENQUEUE_BATCH ? t->jobs - first : ENQUEUE_BATCH;
+		bad += enqueue_batch(conn, streams, lo, hi, first, n);
+	}
+	nc_close(conn);
+	CHECK(bad == 0, "%d of %d enqueued jobs (or their streams) wrong on device %d", bad,
+	      t->jobs * (hi - lo + 1), t->device);
+	return 0;
+}
+
+static int enqueued_on_device(int device)
+{
+	uint64_t before[MAX_GPUS];
+	int expected[MAX_GPUS] = {0};
+	CHECK(device_job_counts(before) == 0, "no stats");
+	struct target t = {.socket = daemon_.socket, .device = device, .jobs = EVERY_OP_JOBS};
+	CHECK(in_child(enqueued_on, &t) == 0, "enqueued jobs on device %d failed", device);
+	expected[device] = EVERY_OP_JOBS;
+	return jobs_ran_where_expected(before, expected);
+}
+
+/* One process, one connection, a stream on every device, jobs enqueued on each in turn. */
+static int enqueued_from_one_process(void)
+{
+	uint64_t before[MAX_GPUS];
+	int expected[MAX_GPUS] = {0};
+	CHECK(device_job_counts(before) == 0, "no stats");
+	struct target t = {.socket = daemon_.socket, .device = -1, .jobs = AT_ONCE_JOBS};
+	CHECK(in_child(enqueued_on, &t) == 0, "enqueued jobs on every device failed");
+	for (int d = 0; d < gpus.count; d++)
+		expected[d] = AT_ONCE_JOBS;
 	return jobs_ran_where_expected(before, expected);
 }
 
@@ -383,6 +507,175 @@ static int mixed_devices_refused(void)
 	return jobs_ran_where_expected(before, expected);
 }
 
+/* ---- the variant cache, per GPU UUID ----------------------------------------------------- */
+
+/* Child: variant_named on t->device of the daemon at t->socket. */
+static int variant_named_on(void *arg)
+{
+	const struct target *t = arg;
+	nc_conn *conn = gpu_test_connect(t->socket, "variant");
+	CHECK(conn, "no connection");
+	int rc = variant_named(conn, t->device);
+	nc_close(conn);
+	return rc;
+}
+
+/* variant_named's key (LayerNorm forward, bf16, 3072 columns, gamma and beta) on every device. */
+static int cache_key_on_every_device(const char *socket_path)
+{
+	for (int d = 0; d < gpus.count; d++) {
+		struct target t = {.socket = socket_path, .device = d};
+		CHECK(in_child(variant_named_on, &t) == 0, "the job on device %d", d);
+	}
+	return 0;
+}
+
+/* The daemon lists exactly one entry of the key per device, each from `source`. */
+static int cache_lists_key_per_device(const char *socket_path, const char *source)
+{
+	nc_conn *conn = gpu_test_connect(socket_path, "variants");
+	CHECK(conn, "no connection");
+	struct nc_variant_info *list;
+	size_t n;
+	int rc = nc_variants_get(conn, 10000, &list, &n);
+	nc_close(conn);
+	CHECK(rc == NC_OK, "variants: %s", nc_status_name(rc));
+	int per_device[MAX_GPUS] = {0}, from_source[MAX_GPUS] = {0};
+	for (size_t i = 0; i < n; i++) {
+		const struct nc_variant_info *v = &list[i];
+		if (v->op != NC_LAYERNORM_FWD || v->dtype != NC_BF16 || v->cols != 3072 ||
+		    v->device < 0 || v->device >= gpus.count)
+			continue;
+		per_device[v->device]++;
+		from_source[v->device] += strcmp(v->source, source) == 0;
+		printf("  device %d: %s (%s)\n", v->device, v->variant, v->source);
+	}
+	nc_variants_free(list);
+	for (int d = 0; d < gpus.count; d++)
+		CHECK(per_device[d] == 1 && from_source[d] == 1,
+		      "device %d: %d entries of the key, %d from %s", d, per_device[d],
+		      from_source[d], source);
+	return 0;
+}
+
+/* dir/variants-<uuid>.txt names GPU d's UUID in its header and holds the key's line. */
+static int cache_file_of(const char *dir, int d)
+{
+	char hex[33], path[256], line[256];
+	for (int i = 0; i < 16; i++)
+		snprintf(hex + 2 * i, 3, "%02x", gpus.gpu[d].uuid[i]);
+	snprintf(path, sizeof(path), "%s/variants-%s.txt", dir, hex);
+	FILE *f = fopen(path, "r");
+	CHECK(f, "device %d: no %s", d, path);
+	bool header = false;
+	int keys = 0;
+	for (int n = 0; fgets(line, sizeof(line), f); n++) {
+		unsigned op, dtype, wdtype, flags;
+		long long cols;
+		if (n == 0)
+			header = strncmp(line, "normd-variants ", 15) == 0 && strstr(line, hex);
+		else if (sscanf(line, "%u %u %u %u %lld", &op, &dtype, &wdtype, &flags, &cols) == 5)
+			keys += op == NC_LAYERNORM_FWD && dtype == NC_BF16 && cols == 3072;
+	}
+	fclose(f);
+	CHECK(header, "device %d: %s does not start with its GPU's header", d, path);
+	CHECK(keys == 1, "device %d: %s holds the key %d times", d, path, keys);
+	return 0;
+}
+
+/*
+ * With --autotune, the key tuned on each device is an entry of that
+ * device's cache; SIGTERM saves each cache to its GPU's own file; a new
+ * daemon on the same state directory reads each back for its own GPU.
+ */
+static int variant_cache_per_uuid(void)
+{
+	static const char *const autotune[] = {"--autotune", "true", NULL};
+	struct test_daemon first;
+	CHECK(test_daemon_start_on(&first, "all", autotune) == 0, "normd --autotune did not start");
+	int bad = cache_key_on_every_device(first.socket);
+	bad += bad ? 0 : cache_lists_key_per_device(first.socket, "autotune");
+	kill(first.pid, SIGTERM);
+	first.exited = waitpid(first.pid, &first.wait_status, 0) == first.pid;
+	bad += !first.exited || !WIFEXITED(first.wait_status) || WEXITSTATUS(first.wait_status);
+	for (int d = 0; d < gpus.count && !bad; d++)
+		bad += cache_file_of(first.dir, d);
+	if (bad)
+		test_daemon_dump_log(&first);
+	const char *const reload[] = {"--autotune", "true", "--state-dir", first.dir, NULL};
+	struct test_daemon second;
+	int started = bad ? -1 : test_daemon_start_on(&second, "all", reload);
+	if (started == 0) {
+		bad += cache_key_on_every_device(second.socket);
+		bad += bad ? 0 : cache_lists_key_per_device(second.socket, "file");
+		bad += test_daemon_stop(&second) != 0;
+	}
+	test_daemon_stop(&first);
+	CHECK(bad == 0, "the per-GPU caches were not kept apart (see above)");
+	CHECK(started == 0, "the second daemon did not start");
+	return 0;
+}
+
+/* ---- the daemon killed under every GPU's clients ----------------------------------------- */
+
+/*
+ * A client per GPU enqueues a long chain (2000 LayerNorm forwards of 16384 x
+ * 8192 bf16, a third of a second of work); once each has 50 enqueued, the
+ * daemon is SIGKILLed: each client's stream must be released within a
+ * second, its connection reporting NC_EDISCONNECTED.
+ */
+static int daemon_killed_under_every_gpu(void)
+{
+	struct test_daemon d;
+	CHECK(test_daemon_start_on(&d, "all", NULL) == 0, "cannot start a second normd");
+	int go[2], out[MAX_GPUS][2];
+	pid_t pids[MAX_GPUS];
+	CHECK(pipe(go) == 0, "pipe");
+	for (int g = 0; g < gpus.count; g++) {
+		CHECK(pipe(out[g]) == 0, "pipe");
+		struct enqueue_chain c = {.socket_path = d.socket, .device = g, .rows = 16384,
+					  .cols = 8192, .jobs = 2000, .signal_after = 50,
+					  .go_fd = go[1]};
+		fflush(NULL);
+		pids[g] = fork();
+		if (pids[g] == 0)
+			child_exit(enqueue_chain_run(&c, out[g][1]));
+		close(out[g][1]);
+	}
+	close(go[1]);
+	char bytes[MAX_GPUS];
+	int started = test_read_within(go[0], bytes, (size_t)gpus.count, 60000);
+	usleep(30 * 1000);
+	int64_t killed_ns = enqueue_chain_now_ns();
+	kill(d.pid, SIGKILL);
+	d.exited = waitpid(d.pid, &d.wait_status, 0) == d.pid;
+	int bad = 0;
+	for (int g = 0; g < gpus.count; g++) {
+		struct enqueue_chain_outcome o = {0};
+		int got = test_read_within(out[g][0], &o, sizeof(o), 30000);
+		kill(pids[g], SIGKILL);
+		waitpid(pids[g], NULL, 0);
+		close(out[g][0]);
+		double after_ms = (double)(o.synced_ns - killed_ns) / 1e6;
+		printf("  GPU %d: %d of 2000 enqueued; stream released %.1f ms after the kill (%s); "
+		       "nc_conn_check: %s\n",
+		       g, o.enqueued, after_ms, cudaGetErrorString((cudaError_t)o.cuda_rc),
+		       nc_status_name(o.check_rc));
+		bool released = got == 0 && o.cuda_rc == cudaSuccess && after_ms > 0 &&
+				after_ms < 1000 && o.check_rc == NC_EDISCONNECTED &&
+				(o.enqueue_rc == 0 || o.enqueue_rc == NC_EDISCONNECTED);
+		if (!released)
+			fprintf(stderr, "  GPU %d's client was not released as it should be%s\n", g,
+				after_ms <= 0 ? " (its chain ended before the kill)" : "");
+		bad += !released;
+	}
+	close(go[0]);
+	test_daemon_stop(&d);
+	CHECK(started == 0, "the chains did not all start");
+	CHECK(bad == 0, "%d of %d GPUs' clients not released within a second", bad, gpus.count);
+	return 0;
+}
+
 /* ---- other device lists ------------------------------------------------------------------ */
 
 /* normd --device 0,1 lists both and runs one checked job of each op on each. */
@@ -441,7 +734,14 @@ int main(void)
 		snprintf(name, sizeof(name), "every op on device %d, and only there", d);
 		report(name, every_op_on_device(d));
 	}
-	report("every device at once", every_device_at_once());
+	report("every device at once", every_device_at_once(jobs_on, AT_ONCE_JOBS));
+	for (int d = 0; d < gpus.count; d++) {
+		char name[64];
+		snprintf(name, sizeof(name), "enqueued jobs on device %d, and only there", d);
+		report(name, enqueued_on_device(d));
+	}
+	report("enqueued on every device at once", every_device_at_once(enqueued_on, EVERY_OP_JOBS));
+	report("one process enqueues on every device", enqueued_from_one_process());
 	report("a job across two devices refused", mixed_devices_refused());
 	report("regions released after the clients", gpu_test_wait_idle(daemon_.socket) ? 1 : 0);
 	bool alive = test_daemon_alive(&daemon_);
@@ -449,6 +749,8 @@ int main(void)
 		test_daemon_dump_log(&daemon_);
 	int rc = test_daemon_stop(&daemon_);
 	report("daemon alive and exits 0 on SIGTERM", alive && rc == 0 ? 0 : 1);
+	report("variant cache: an entry and a file per GPU UUID", variant_cache_per_uuid());
+	report("daemon SIGKILL releases every GPU's clients", daemon_killed_under_every_gpu());
 	report("--device 0,1 serves both", two_devices_served());
 	report("--device past the last GPU refused", missing_device_refused());
 	return gpu_test_summary("test_multi_gpu");

@@ -99,6 +99,33 @@ int test_daemon_start_on(struct test_daemon *d, const char *device, const char *
 	return -1;
 }
 
+int test_read_within(int fd, void *buf, size_t len, int timeout_ms)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	int64_t deadline_ms = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 + timeout_ms;
+	size_t got = 0;
+	while (got < len) {
+		clock_gettime(CLOCK_MONOTONIC, &ts);
+		int64_t left = deadline_ms - ((int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
+		struct pollfd p = {.fd = fd, .events = POLLIN};
+		if (left <= 0)
+			return -1;
+		int n = poll(&p, 1, (int)left);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			return -1;
+		ssize_t r = read(fd, (char *)buf + got, len - got);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0)
+			return -1;
+		got += (size_t)r;
+	}
+	return 0;
+}
+
 bool test_daemon_alive(struct test_daemon *d)
 {
 	if (d->pid <= 0 || d->exited)

@@ -41,6 +41,13 @@ bool test_daemon_log_contains(const struct test_daemon *d, const char *needle);
 /* Open file descriptors of the daemon process (from /proc), or -1. */
 int test_daemon_fd_count(const struct test_daemon *d);
 
+/*
+ * Reads exactly len bytes from fd within timeout_ms (a signal's EINTR is
+ * retried); 0, or -1 on timeout, EOF or error. For results a child process
+ * writes to a pipe.
+ */
+int test_read_within(int fd, void *buf, size_t len, int timeout_ms);
+
 /* A memfd of `bytes` (memfd_create flags `flags` besides MFD_CLOEXEC), or -1. */
 int test_memfd(size_t bytes, unsigned flags);
 /* Makes `env` RegisterRegion request `request_id` (body `reg`) of a HOST_MEMFD region. */

@@ -1,0 +1,190 @@
+#!/bin/sh
+# One normd serving every GPU of the host (issue 21), on a machine with two
+# or more GPUs; with fewer it says so and exits 0. Never changes clocks or
+# the compute mode. Writes its logs to LOG_DIR and prints a summary:
+#
+#   1. the aggregate rate: normstress against `normd --device all` with its
+#      processes on GPU 0 alone, then spread over every GPU (--devices all),
+#      in the sync and enqueue modes, for two mixes: the load test's mix of
+#      small and mid-sized jobs (rows 1-512, cols 1-8192), whose rate the
+#      daemon's CPU side bounds, and large jobs (rows 1024-4096, cols
+#      1024-8192, regions kept), whose rate the GPUs bound;
+#   2. chaos on every GPU at once: client kills and bad requests in the sync
+#      and enqueue modes (0 mismatches, every invalid request answered);
+#   3. under NVIDIA MPS (one control daemon of our own serving every GPU,
+#      normd --device all under it): bench_enqueue's dependent chain on each
+#      GPU alone, then on every GPU at once from a process each; and the
+#      enqueue-mode rate of step 1 on one GPU and on all.
+#
+# Usage: sh bench/multi_gpu.sh LOG_DIR [BUILD_DIR]   (SECONDS_EACH: each rate run, 8)
+set -u
+logs=${1:?usage: sh bench/multi_gpu.sh LOG_DIR [BUILD_DIR]}
+B=${2:-build}
+mkdir -p "$logs"
+export LD_LIBRARY_PATH="$B/lib/gpu-host${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+seconds=${SECONDS_EACH:-8}
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+if [ "$gpus" -lt 2 ]; then
+	echo "multi_gpu: skipped: $gpus GPU(s); needs 2"
+	exit 0
+fi
+nvidia-smi --query-gpu=index,name,uuid --format=csv,noheader
+status=0
+normd_pid=""
+own_mps=0
+ctl=$(command -v nvidia-cuda-mps-control || true)
+[ -z "$ctl" ] && [ -x /usr/local/nvidia/bin/nvidia-cuda-mps-control ] &&
+	ctl=/usr/local/nvidia/bin/nvidia-cuda-mps-control
+
+# start_normd NAME: normd --device all on $logs/NAME.sock, logging to $logs/NAME.log.
+start_normd() {
+	sock="$logs/$1.sock"
+	rm -f "$sock"
+	"$B/bin/normd" --config /dev/null --device all --socket "$sock" --state-dir "$logs" \
+		--log-level warn >"$logs/$1.log" 2>&1 &
+	normd_pid=$!
+	i=0 # up to 60 s: under MPS the first context also starts the MPS server
+	until [ -S "$sock" ] && "$B/bin/normctl" --socket "$sock" ping >/dev/null 2>&1; do
+		i=$((i + 1))
+		if [ $i -gt 600 ] || ! kill -0 "$normd_pid" 2>/dev/null; then
+			echo "normd did not start:"
+			tail -20 "$logs/$1.log"
+			return 1
+		fi
+		sleep 0.1
+	done
+}
+
+stop_normd() {
+	[ -n "$normd_pid" ] || return 0
+	kill -TERM "$normd_pid"
+	wait "$normd_pid" || { echo "normd exited with $?"; status=1; }
+	normd_pid=""
+}
+
+cleanup() {
+	[ -n "$normd_pid" ] && kill -KILL "$normd_pid" 2>/dev/null
+	[ "$own_mps" = 1 ] && echo quit | "$ctl" >>"$logs/mps_control.log" 2>&1
+	own_mps=0
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+
+keep="^(normstress|jobs|verify|invalid|chaos|errors|devices|result)"
+small="--rows 1-512 --cols 1-8192"
+large="--rows 1024-4096 --cols 1024-8192 --kit-reuse 0"
+
+# stress NAME MODE DEVICES PROCS SIZES [more normstress options]: one run, its JSON kept.
+stress() {
+	name=$1 mode=$2 devices=$3 procs=$4 sizes=$5
+	shift 5
+	echo "== $name: $mode mode, $procs processes x 2 threads on GPU(s) $devices"
+	# shellcheck disable=SC2086
+	"$B/bin/normstress" --socket "$sock" --mode "$mode" --devices "$devices" --procs "$procs" \
+		--threads 2 --inflight 4 --verify 0.01 $sizes --timeout 60000 --seed "$procs" \
+		--json "$logs/$name.json" "$@" | grep -E "$keep" || status=1
+}
+
+# rates LABEL MODE...: the two mixes on GPU 0 alone and on every GPU, per mode.
+rates() {
+	label=$1
+	shift
+	for mode in "$@"; do
+		for mix in small large; do
+			eval "sizes=\$$mix"
+			stress "$label-$mode-$mix-gpu0" "$mode" 0 8 "$sizes" --duration "$seconds"
+			stress "$label-$mode-$mix-all" "$mode" all $((8 * gpus)) "$sizes" \
+				--duration "$seconds"
+		done
+	done
+}
+
+echo "#### without MPS"
+start_normd nomps || exit 1
+# Warm-up: each GPU's worker scratch, streams and variant cache.
+"$B/bin/normstress" --socket "$sock" --devices all --procs $((2 * gpus)) --jobs 20000 \
+	$small >/dev/null || status=1
+rates nomps sync enqueue
+for mode in sync enqueue; do
+	stress "nomps-$mode-chaos-all" "$mode" all $((8 * gpus)) "$small" --duration 20 \
+		--kill-rate 0.1 --bad-rate 0.05
+done
+stop_normd
+
+echo "#### under MPS"
+if [ -z "$ctl" ]; then
+	echo "nvidia-cuda-mps-control not found: the MPS part is skipped"
+	status=1
+else
+	export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+	mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+	if [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] &&
+		echo get_server_list | "$ctl" >/dev/null 2>&1; then
+		echo "an MPS control daemon already runs at $CUDA_MPS_PIPE_DIRECTORY: using it"
+	elif "$ctl" -d >"$logs/mps_control.log" 2>&1; then
+		own_mps=1
+	else
+		echo "nvidia-cuda-mps-control -d failed: $(cat "$logs/mps_control.log")"
+		exit 1
+	fi
+	start_normd mps || exit 1
+	grep -h "event=device\|mps" "$logs/mps.log" | head -4
+	chain="--socket $sock --no-sync --no-rate --calls 5000 --chain 2000"
+	for g in $(seq 0 $((gpus - 1))); do
+		echo "== bench_enqueue chain, GPU $g alone"
+		# shellcheck disable=SC2086
+		"$B/bench/bench_enqueue" $chain --device "$g" --json "$logs/chain-alone-$g.json" \
+			>"$logs/chain-alone-$g.txt" 2>&1 || status=1
+		grep -v "^bench_enqueue: \[" "$logs/chain-alone-$g.txt"
+	done
+	echo "== bench_enqueue chain, every GPU at once (a process each)"
+	pids=""
+	for g in $(seq 0 $((gpus - 1))); do
+		# shellcheck disable=SC2086
+		"$B/bench/bench_enqueue" $chain --device "$g" --json "$logs/chain-together-$g.json" \
+			>"$logs/chain-together-$g.txt" 2>&1 &
+		pids="$pids $!"
+	done
+	for p in $pids; do wait "$p" || status=1; done
+	for g in $(seq 0 $((gpus - 1))); do
+		echo "-- GPU $g"
+		grep -v "^bench_enqueue: \[" "$logs/chain-together-$g.txt"
+	done
+	rates mps enqueue
+	stress "mps-enqueue-chaos-all" enqueue all $((8 * gpus)) "$small" --duration 20 \
+		--kill-rate 0.1 --bad-rate 0.05
+	stop_normd
+fi
+
+echo "#### summary (jobs/s; GB/s counts the bytes each job must move)"
+python3 - "$logs" <<'PY' || status=1
+import glob, json, os, sys
+logs = sys.argv[1]
+runs = {os.path.basename(p)[:-5]: json.load(open(p)) for p in glob.glob(f"{logs}/*.json")
+        if not os.path.basename(p).startswith("chain")}
+for label in ("nomps", "mps"):
+    for mode in ("sync", "enqueue"):
+        for mix in ("small", "large"):
+            one, every = runs.get(f"{label}-{mode}-{mix}-gpu0"), runs.get(f"{label}-{mode}-{mix}-all")
+            if not one or not every:
+                continue
+            print(f"{label:5} {mode:7} {mix:5}: GPU 0 alone {one['jobs_per_s']:9.0f} jobs/s "
+                  f"{one['bytes_per_s'] / 1e9:7.1f} GB/s; every GPU {every['jobs_per_s']:9.0f} "
+                  f"jobs/s {every['bytes_per_s'] / 1e9:7.1f} GB/s "
+                  f"({every['jobs_per_s'] / max(one['jobs_per_s'], 1):.2f}x); per GPU "
+                  f"{every.get('device_jobs')}; passed {one['passed'] and every['passed']}")
+for name, r in sorted(runs.items()):
+    if "chaos" in name:
+        print(f"{name}: {r['jobs_ok']} jobs, {r['verified']} verified, {r['mismatches']} "
+              f"mismatches, {r['bad_sent']} invalid sent / {r['bad_expected']} as expected, "
+              f"{r['kills']} kills, {r['unexpected_errors']} unexpected, regions left "
+              f"{r['daemon_regions_after']}, per GPU {r.get('device_jobs')}, passed {r['passed']}")
+for kind in ("alone", "together"):
+    for p in sorted(glob.glob(f"{logs}/chain-{kind}-*.json")):
+        c = json.load(open(p)).get("chain") or {}
+        print(f"chain {kind:8} GPU {json.load(open(p)).get('device')}: enqueue "
+              f"{c.get('enqueue_gpu_us', float('nan')):.2f} us/job gated, in-process "
+              f"{c.get('inproc_gpu_us', float('nan')):.2f}; ungated wall "
+              f"{c.get('enqueue_wall_us', float('nan')):.2f} vs {c.get('inproc_wall_us', float('nan')):.2f}")
+PY
+exit $status
