@@ -3,17 +3,21 @@
 # or more GPUs; with fewer it says so and exits 0. Never changes clocks or
 # the compute mode. Writes its logs to LOG_DIR and prints a summary:
 #
-#   1. the aggregate rate: normstress against `normd --device all` with its
-#      processes on GPU 0 alone, then spread over every GPU (--devices all),
-#      in the sync and enqueue modes, for two mixes: the load test's mix of
-#      small and mid-sized jobs (rows 1-512, cols 1-8192), whose rate the
-#      daemon's CPU side bounds, and large jobs (rows 1024-4096, cols
-#      1024-8192, regions kept), whose rate the GPUs bound;
+#   1. the aggregate rate: normstress against `normd --device all` with 4
+#      processes x 2 threads on GPU 0 alone, then as many on every GPU
+#      (--devices all), in the sync and enqueue modes, for two mixes: the
+#      load test's mix of small and mid-sized jobs (rows 1-512, cols
+#      1-8192, 1% verified), whose rate the daemon's CPU side bounds, and
+#      large jobs (16384 x 4096 bf16, 128 MiB a tensor, not verified: the
+#      float64 reference of such a job takes the client longer than the GPU
+#      takes to run hundreds), whose rate the GPUs bound; beside each run,
+#      the cores normd used, its busiest thread, and how busy the host was;
 #   2. chaos on every GPU at once: client kills and bad requests in the sync
 #      and enqueue modes (0 mismatches, every invalid request answered);
 #   3. under NVIDIA MPS (one control daemon of our own serving every GPU,
 #      normd --device all under it): bench_enqueue's dependent chain on each
-#      GPU alone, then on every GPU at once from a process each; and the
+#      GPU alone, then on every GPU at once from a process each, and on a
+#      normd --device 0 (one GPU's daemon) for comparison; and the
 #      enqueue-mode rate of step 1 on one GPU and on all.
 #
 # Usage: sh bench/multi_gpu.sh LOG_DIR [BUILD_DIR]   (SECONDS_EACH: each rate run, 8)
@@ -71,18 +75,41 @@ trap cleanup EXIT
 trap 'exit 1' INT TERM
 
 keep="^(normstress|jobs|verify|invalid|chaos|errors|devices|result)"
-small="--rows 1-512 --cols 1-8192"
-large="--rows 1024-4096 --cols 1024-8192 --kit-reuse 0"
+small="--rows 1-512 --cols 1-8192 --inflight 8"
+large="--rows 16384 --cols 4096 --dtypes bf16 --inflight 4 --verify 0 --kit-reuse 0"
+
+# cpu_snap FILE: each normd thread's CPU ticks ("tid ticks"), then the host's busy and all ticks.
+cpu_snap() {
+	for t in /proc/"$normd_pid"/task/*; do
+		printf '%s %s\n' "${t##*/}" "$(sed 's/.*) //' "$t/stat" | awk '{print $12 + $13}')"
+	done >"$1"
+	awk '/^cpu / {b = $2 + $3 + $4 + $7 + $8 + $9; print "host", b, b + $5 + $6}' /proc/stat >>"$1"
+}
+
+# cpu_report BEFORE AFTER SECONDS: normd's cores in use, its busiest thread, the host's load.
+cpu_report() {
+	awk -v s="$3" -v hz="$(getconf CLK_TCK)" -v ncpu="$(nproc)" '
+		FNR == NR { if ($1 == "host") { hb = $2; ht = $3 } else t0[$1] = $2; next }
+		$1 == "host" { host = ($2 - hb) / ($3 - ht + 1e-9); next }
+		{ d = $2 - t0[$1]; sum += d; if (d > max) max = d }
+		END { printf "cpu         normd %.2f cores, busiest thread %.0f%%; host %.0f%% of %d cores busy\n",
+			sum / hz / s, 100 * max / hz / s, 100 * host, ncpu }' "$1" "$2"
+}
 
 # stress NAME MODE DEVICES PROCS SIZES [more normstress options]: one run, its JSON kept.
 stress() {
 	name=$1 mode=$2 devices=$3 procs=$4 sizes=$5
 	shift 5
 	echo "== $name: $mode mode, $procs processes x 2 threads on GPU(s) $devices"
+	cpu_snap "$logs/cpu.before"
+	t0=$(date +%s.%N)
 	# shellcheck disable=SC2086
 	"$B/bin/normstress" --socket "$sock" --mode "$mode" --devices "$devices" --procs "$procs" \
-		--threads 2 --inflight 4 --verify 0.01 $sizes --timeout 60000 --seed "$procs" \
+		--threads 2 --verify 0.01 $sizes --timeout 60000 --seed "$procs" \
 		--json "$logs/$name.json" "$@" | grep -E "$keep" || status=1
+	t1=$(date +%s.%N)
+	cpu_snap "$logs/cpu.after"
+	cpu_report "$logs/cpu.before" "$logs/cpu.after" "$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')"
 }
 
 # rates LABEL MODE...: the two mixes on GPU 0 alone and on every GPU, per mode.
@@ -92,8 +119,8 @@ rates() {
 	for mode in "$@"; do
 		for mix in small large; do
 			eval "sizes=\$$mix"
-			stress "$label-$mode-$mix-gpu0" "$mode" 0 8 "$sizes" --duration "$seconds"
-			stress "$label-$mode-$mix-all" "$mode" all $((8 * gpus)) "$sizes" \
+			stress "$label-$mode-$mix-gpu0" "$mode" 0 4 "$sizes" --duration "$seconds"
+			stress "$label-$mode-$mix-all" "$mode" all $((4 * gpus)) "$sizes" \
 				--duration "$seconds"
 		done
 	done
@@ -154,6 +181,21 @@ else
 	stress "mps-enqueue-chaos-all" enqueue all $((8 * gpus)) "$small" --duration 20 \
 		--kill-rate 0.1 --bad-rate 0.05
 	stop_normd
+	echo "== bench_enqueue chain, GPU 0 of a normd --device 0 (one GPU's daemon)"
+	sock="$logs/mps0.sock"
+	"$B/bin/normd" --config /dev/null --device 0 --socket "$sock" --state-dir "$logs" \
+		--log-level warn >"$logs/mps0.log" 2>&1 &
+	normd_pid=$!
+	i=0
+	until "$B/bin/normctl" --socket "$sock" ping >/dev/null 2>&1 || [ $i -gt 600 ]; do
+		i=$((i + 1))
+		sleep 0.1
+	done
+	"$B/bench/bench_enqueue" --socket "$sock" --no-sync --no-rate --calls 5000 --chain 2000 \
+		--device 0 --json "$logs/chain-onegpu-0.json" >"$logs/chain-onegpu-0.txt" 2>&1 ||
+		status=1
+	grep -v "^bench_enqueue: \[" "$logs/chain-onegpu-0.txt"
+	stop_normd
 fi
 
 echo "#### summary (jobs/s; GB/s counts the bytes each job must move)"
@@ -179,7 +221,7 @@ for name, r in sorted(runs.items()):
               f"mismatches, {r['bad_sent']} invalid sent / {r['bad_expected']} as expected, "
               f"{r['kills']} kills, {r['unexpected_errors']} unexpected, regions left "
               f"{r['daemon_regions_after']}, per GPU {r.get('device_jobs')}, passed {r['passed']}")
-for kind in ("alone", "together"):
+for kind in ("onegpu", "alone", "together"):
     for p in sorted(glob.glob(f"{logs}/chain-{kind}-*.json")):
         c = json.load(open(p)).get("chain") or {}
         print(f"chain {kind:8} GPU {json.load(open(p)).get('device')}: enqueue "

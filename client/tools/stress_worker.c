@@ -382,8 +382,16 @@ static void worker_collect_events(struct worker *w)
 	struct flight *oldest = worker_oldest(w);
 	int done = worker_event_done(w, oldest, w->opt->timeout_ms);
 	if (done == 0) {
+		/* Whether the daemon launched it (answered) tells a stuck daemon from a stuck GPU. */
+		const struct jobkit_spec *sp = &w->kits[oldest->kit].jk.spec;
+		int answered = nc_conn_check(w->conn, 1000);
 		worker_unexpected(w, NC_ETIMEOUT);
-		worker_say(w, "a queued job did not finish within %d ms", w->opt->timeout_ms);
+		worker_say(w, "a queued job did not finish within %d ms (%s %llux%llu %s%s); "
+			      "every job answered by the daemon: %s",
+			   w->opt->timeout_ms, jobkit_op_name(sp->op), (unsigned long long)sp->rows,
+			   (unsigned long long)sp->cols, jobkit_dtype_name(sp->dtype),
+			   oldest->verify ? ", verified" : "",
+			   answered == NC_OK ? "yes" : nc_status_name(answered));
 		w->broken = true;
 	}
 	if (done <= 0)

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "client/tools/jobkit.h"
+#include "kernels/norm_kernels.h"
 #include "normclient.h"
 #include "proto/frame.h"
 #include "tests/gpu/gpu_test.h"
@@ -558,7 +559,7 @@ static int cache_lists_key_per_device(const char *socket_path, const char *sourc
 	return 0;
 }
 
-/* dir/variants-<uuid>.txt names GPU d's UUID in its header and holds the key's line. */
+/* dir/variants-<uuid>.txt names GPU d's UUID in its header and holds the key's line (nk_ codes). */
 static int cache_file_of(const char *dir, int d)
 {
 	char hex[33], path[256], line[256];
@@ -575,7 +576,7 @@ static int cache_file_of(const char *dir, int d)
 		if (n == 0)
 			header = strncmp(line, "normd-variants ", 15) == 0 && strstr(line, hex);
 		else if (sscanf(line, "%u %u %u %u %lld", &op, &dtype, &wdtype, &flags, &cols) == 5)
-			keys += op == NC_LAYERNORM_FWD && dtype == NC_BF16 && cols == 3072;
+			keys += op == NK_LAYERNORM_FWD && dtype == NK_BF16 && cols == 3072;
 	}
 	fclose(f);
 	CHECK(header, "device %d: %s does not start with its GPU's header", d, path);
@@ -590,7 +591,7 @@ static int cache_file_of(const char *dir, int d)
  */
 static int variant_cache_per_uuid(void)
 {
-	static const char *const autotune[] = {"--autotune", "true", NULL};
+	static const char *const autotune[] = {"--autotune", NULL};
 	struct test_daemon first;
 	CHECK(test_daemon_start_on(&first, "all", autotune) == 0, "normd --autotune did not start");
 	int bad = cache_key_on_every_device(first.socket);
@@ -602,7 +603,7 @@ static int variant_cache_per_uuid(void)
 		bad += cache_file_of(first.dir, d);
 	if (bad)
 		test_daemon_dump_log(&first);
-	const char *const reload[] = {"--autotune", "true", "--state-dir", first.dir, NULL};
+	const char *const reload[] = {"--autotune", "--state-dir", first.dir, NULL};
 	struct test_daemon second;
 	int started = bad ? -1 : test_daemon_start_on(&second, "all", reload);
 	if (started == 0) {
@@ -622,10 +623,12 @@ static int variant_cache_per_uuid(void)
  * A client per GPU enqueues a long chain (2000 LayerNorm forwards of 16384 x
  * 8192 bf16, a third of a second of work); once each has 50 enqueued, the
  * daemon is SIGKILLed: each client's stream must be released within a
- * second, its connection reporting NC_EDISCONNECTED.
+ * second, its connection reporting NC_EDISCONNECTED. Run in a child: it
+ * names CUDA's errors, and the test's own process must stay CUDA-free.
  */
-static int daemon_killed_under_every_gpu(void)
+static int daemon_killed_under_every_gpu(void *arg)
 {
+	(void)arg;
 	struct test_daemon d;
 	CHECK(test_daemon_start_on(&d, "all", NULL) == 0, "cannot start a second normd");
 	int go[2], out[MAX_GPUS][2];
@@ -750,7 +753,8 @@ int main(void)
 	int rc = test_daemon_stop(&daemon_);
 	report("daemon alive and exits 0 on SIGTERM", alive && rc == 0 ? 0 : 1);
 	report("variant cache: an entry and a file per GPU UUID", variant_cache_per_uuid());
-	report("daemon SIGKILL releases every GPU's clients", daemon_killed_under_every_gpu());
+	report("daemon SIGKILL releases every GPU's clients",
+	       in_child(daemon_killed_under_every_gpu, NULL));
 	report("--device 0,1 serves both", two_devices_served());
 	report("--device past the last GPU refused", missing_device_refused());
 	return gpu_test_summary("test_multi_gpu");
