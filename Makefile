@@ -305,6 +305,7 @@ bench-gpu: gpu-progs
 		--json $${BENCH_LOG_DIR:-/tmp}/bench_host_path.json
 	@LD_LIBRARY_PATH=$(B)/lib/gpu-host python3 bench/bench_train.py --build $(B) --mps \
 		--json $${BENCH_LOG_DIR:-/tmp}/bench_train.json
+	@sh bench/multi_gpu.sh $${BENCH_LOG_DIR:-/tmp}/multi_gpu $(B)
 
 # ---- install -------------------------------------------------------------------
 # make install [PREFIX=/usr/local] [DESTDIR=staging root]: binaries (normd in
