@@ -93,18 +93,8 @@ trap 'exit 1' INT TERM
 "$normd" --config /dev/null --device 0 --socket "$sock" --state-dir "$dir" \
 	--log-level info >"$logs/normd_mps.log" 2>&1 &
 normd_pid=$!
-# Up to 60 s: the first context under MPS also starts the MPS server.
-i=0
-until [ -S "$sock" ] && LD_LIBRARY_PATH="$LD_LIBRARY_PATH" "$build/bin/normctl" \
-	--socket "$sock" ping >/dev/null 2>&1; do
-	i=$((i + 1))
-	if [ $i -gt 600 ] || ! kill -0 "$normd_pid" 2>/dev/null; then
-		echo "normd did not start under MPS:"
-		tail -20 "$logs/normd_mps.log"
-		exit 1
-	fi
-	sleep 0.1
-done
+. "$(dirname "$0")/daemon.sh"
+normd_wait_ready "$sock" "$normd_pid" "$logs/normd_mps.log" "$build" || exit 1
 grep -h "event=device" "$logs/normd_mps.log" | head -2
 if ! run_bench "$logs/mps.txt" "$bench" --socket "$sock" --json "$logs/mps.json" "$@"; then
 	echo "bench_enqueue under MPS FAILED (exit $rc; see $logs/mps.txt)"

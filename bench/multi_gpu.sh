@@ -40,23 +40,16 @@ ctl=$(command -v nvidia-cuda-mps-control || true)
 [ -z "$ctl" ] && [ -x /usr/local/nvidia/bin/nvidia-cuda-mps-control ] &&
 	ctl=/usr/local/nvidia/bin/nvidia-cuda-mps-control
 
-# start_normd NAME: normd --device all on $logs/NAME.sock, logging to $logs/NAME.log.
+. "$(dirname "$0")/daemon.sh"
+
+# start_normd NAME [DEVICE]: normd --device DEVICE (all) on $logs/NAME.sock, logging to $logs/NAME.log.
 start_normd() {
 	sock="$logs/$1.sock"
 	rm -f "$sock"
-	"$B/bin/normd" --config /dev/null --device all --socket "$sock" --state-dir "$logs" \
-		--log-level warn >"$logs/$1.log" 2>&1 &
+	"$B/bin/normd" --config /dev/null --device "${2:-all}" --socket "$sock" \
+		--state-dir "$logs" --log-level warn >"$logs/$1.log" 2>&1 &
 	normd_pid=$!
-	i=0 # up to 60 s: under MPS the first context also starts the MPS server
-	until [ -S "$sock" ] && "$B/bin/normctl" --socket "$sock" ping >/dev/null 2>&1; do
-		i=$((i + 1))
-		if [ $i -gt 600 ] || ! kill -0 "$normd_pid" 2>/dev/null; then
-			echo "normd did not start:"
-			tail -20 "$logs/$1.log"
-			return 1
-		fi
-		sleep 0.1
-	done
+	normd_wait_ready "$sock" "$normd_pid" "$logs/$1.log" "$B"
 }
 
 stop_normd() {
@@ -182,15 +175,7 @@ else
 		--kill-rate 0.1 --bad-rate 0.05
 	stop_normd
 	echo "== bench_enqueue chain, GPU 0 of a normd --device 0 (one GPU's daemon)"
-	sock="$logs/mps0.sock"
-	"$B/bin/normd" --config /dev/null --device 0 --socket "$sock" --state-dir "$logs" \
-		--log-level warn >"$logs/mps0.log" 2>&1 &
-	normd_pid=$!
-	i=0
-	until "$B/bin/normctl" --socket "$sock" ping >/dev/null 2>&1 || [ $i -gt 600 ]; do
-		i=$((i + 1))
-		sleep 0.1
-	done
+	start_normd mps0 0 || exit 1
 	"$B/bench/bench_enqueue" --socket "$sock" --no-sync --no-rate --calls 5000 --chain 2000 \
 		--device 0 --json "$logs/chain-onegpu-0.json" >"$logs/chain-onegpu-0.txt" 2>&1 ||
 		status=1

@@ -7,6 +7,8 @@
 #      requests invalid: zero mismatches, zero unexpected errors (normstress
 #      exits non-zero otherwise);
 #   4. the daemon is still up and its RSS is within 10% of the warm-up reading;
+#      the summary counts the jobs of each device; --devices (a CUDA option)
+#      is refused;
 #   5. killing normstress itself takes its client processes with it
 #      (PR_SET_PDEATHSIG): the daemon sees their connections close;
 #   6. SIGTERM: the daemon drains and exits 0.
@@ -67,6 +69,15 @@ echo "daemon RSS after warm-up $rss_before bytes, after the run $rss_after bytes
 # Within 10% either way.
 [ $((rss_after * 10)) -le $((rss_before * 11)) ] || fail "daemon RSS grew more than 10%"
 [ $((rss_after * 10)) -ge $((rss_before * 9)) ] || fail "daemon RSS shrank more than 10%"
+
+# The devices count the daemon's per-device jobs (the host, -1, on this backend);
+# --devices is a CUDA option, refused here with exit status 2.
+grep -q '"device_jobs":{"-1":[1-9]' "$dir/run.json" || fail "no per-device jobs: $(cat "$dir/run.json")"
+out=$("$B/bin/normstress" --socket "$sock" --devices all --jobs 10 2>&1)
+[ $? -eq 2 ] || fail "--devices on the cpu backend did not exit 2: $out"
+case "$out" in *"needs the cuda backend"*) ;; *) fail "--devices on the cpu backend: $out" ;; esac
+out=$("$B/bin/normstress" --socket "$sock" --devices 0,x --jobs 10 2>&1)
+[ $? -eq 2 ] || fail "--devices 0,x did not exit 2: $out"
 
 echo "== normstress killed: its clients must go too"
 "$B/bin/normstress" --socket "$sock" --procs 4 --threads 1 --duration 60 >/dev/null &
