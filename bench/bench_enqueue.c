@@ -512,16 +512,21 @@ static int host_cost_child(const struct options *o, void *out)
 /* ---- 2. the dependent chain --------------------------------------------------------------------
  */
 
-static void device_info(int device, struct nk_device_info *dev)
+static int device_info(int device, struct nk_device_info *dev)
 {
 	struct cudaDeviceProp prop;
-	cudaGetDeviceProperties(&prop, device);
 	memset(dev, 0, sizeof(*dev));
+	cudaError_t err = cudaGetDeviceProperties(&prop, device);
+	if (err != cudaSuccess) {
+		fprintf(stderr, "bench_enqueue: GPU %d: %s\n", device, cudaGetErrorString(err));
+		return -1;
+	}
 	dev->sm_count = prop.multiProcessorCount;
 	dev->max_threads_per_sm = prop.maxThreadsPerMultiProcessor;
 	dev->max_smem_per_block_optin = prop.sharedMemPerBlockOptin;
 	dev->cc_major = prop.major;
 	dev->cc_minor = prop.minor;
+	return 0;
 }
 
 /* How the chain's jobs are launched. */
@@ -685,9 +690,8 @@ static int chain_sync_mode(struct chain_ctx *c, int jobs, double *wall_us)
 static int chain_setup(struct chain_ctx *c, const struct options *o)
 {
 	memset(c, 0, sizeof(*c));
-	if (tiny_open(&c->t, o, "bench-enqueue-chain") != 0)
+	if (tiny_open(&c->t, o, "bench-enqueue-chain") != 0 || device_info(o->device, &c->dev) != 0)
 		return -1;
-	device_info(o->device, &c->dev);
 	nk_cuda_variant_default(&c->t.args[0], &c->dev, &c->variant);
 	size_t ws = nk_cuda_workspace_bytes(&c->t.args[0], &c->dev, &c->variant);
 	c->exec = (struct nk_cuda_exec){c->t.stream, NULL, ws, NULL};
@@ -1137,6 +1141,14 @@ static int parse_procs(struct options *o, const char *list)
 	return o->nprocs ? 0 : -1;
 }
 
+/* A CUDA ordinal, or -1 when `v` is not a number of 0 to 1023. */
+static int parse_device(const char *v)
+{
+	char *end;
+	long n = strtol(v, &end, 10);
+	return *v >= '0' && *v <= '9' && !*end && n < 1024 ? (int)n : -1;
+}
+
 static int parse(struct options *o, int argc, char **argv)
 {
 	*o = (struct options){.calls = 20000, .chain = 2000, .seconds = 2.0, .sync = true,
@@ -1147,8 +1159,12 @@ static int parse(struct options *o, int argc, char **argv)
 			o->daemon_args = (const char *const *)argv + i + 1;
 			return 0;
 		}
-		if (strcmp(a, "--no-sync") == 0 || strcmp(a, "--no-rate") == 0) {
-			*(a[5] == 's' ? &o->sync : &o->rate) = false;
+		if (strcmp(a, "--no-sync") == 0) {
+			o->sync = false;
+			continue;
+		}
+		if (strcmp(a, "--no-rate") == 0) {
+			o->rate = false;
 			continue;
 		}
 		if (!v)
@@ -1165,7 +1181,7 @@ static int parse(struct options *o, int argc, char **argv)
 		else if (strcmp(a, "--seconds") == 0)
 			o->seconds = atof(v);
 		else if (strcmp(a, "--device") == 0)
-			o->device = atoi(v);
+			o->device = parse_device(v);
 		else if (strcmp(a, "--procs") != 0 || parse_procs(o, v) != 0)
 			return -1;
 	}

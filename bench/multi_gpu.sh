@@ -25,9 +25,15 @@ set -u
 logs=${1:?usage: sh bench/multi_gpu.sh LOG_DIR [BUILD_DIR]}
 B=${2:-build}
 mkdir -p "$logs"
+rm -f "$logs"/*.json # the summary reads every JSON here: none from an earlier run
 export LD_LIBRARY_PATH="$B/lib/gpu-host${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 seconds=${SECONDS_EACH:-8}
-gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+# The GPUs CUDA will show normd: CUDA_VISIBLE_DEVICES's list where it is set.
+if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+	gpus=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
+else
+	gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+fi
 if [ "$gpus" -lt 2 ]; then
 	echo "multi_gpu: skipped: $gpus GPU(s); needs 2"
 	exit 0
@@ -35,6 +41,7 @@ fi
 nvidia-smi --query-gpu=index,name,uuid --format=csv,noheader
 status=0
 normd_pid=""
+bench_pids=""
 own_mps=0
 ctl=$(command -v nvidia-cuda-mps-control || true)
 [ -z "$ctl" ] && [ -x /usr/local/nvidia/bin/nvidia-cuda-mps-control ] &&
@@ -47,7 +54,7 @@ start_normd() {
 	sock="$logs/$1.sock"
 	rm -f "$sock"
 	"$B/bin/normd" --config /dev/null --device "${2:-all}" --socket "$sock" \
-		--state-dir "$logs" --log-level warn >"$logs/$1.log" 2>&1 &
+		--state-dir "$logs" --log-level info >"$logs/$1.log" 2>&1 &
 	normd_pid=$!
 	normd_wait_ready "$sock" "$normd_pid" "$logs/$1.log" "$B"
 }
@@ -60,6 +67,7 @@ stop_normd() {
 }
 
 cleanup() {
+	for p in $bench_pids; do kill -KILL "$p" 2>/dev/null; done
 	[ -n "$normd_pid" ] && kill -KILL "$normd_pid" 2>/dev/null
 	[ "$own_mps" = 1 ] && echo quit | "$ctl" >>"$logs/mps_control.log" 2>&1
 	own_mps=0
@@ -99,8 +107,9 @@ stress() {
 	# shellcheck disable=SC2086
 	"$B/bin/normstress" --socket "$sock" --mode "$mode" --devices "$devices" --procs "$procs" \
 		--threads 2 --verify 0.01 $sizes --timeout 60000 --seed "$procs" \
-		--json "$logs/$name.json" "$@" | grep -E "$keep" || status=1
+		--json "$logs/$name.json" "$@" >"$logs/$name.txt" 2>&1 || status=1
 	t1=$(date +%s.%N)
+	grep -E "$keep" "$logs/$name.txt"
 	cpu_snap "$logs/cpu.after"
 	cpu_report "$logs/cpu.before" "$logs/cpu.after" "$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')"
 }
@@ -148,7 +157,7 @@ else
 		exit 1
 	fi
 	start_normd mps || exit 1
-	grep -h "event=device\|mps" "$logs/mps.log" | head -4
+	grep -h "event=device" "$logs/mps.log" | head -"$gpus"
 	chain="--socket $sock --no-sync --no-rate --calls 5000 --chain 2000"
 	for g in $(seq 0 $((gpus - 1))); do
 		echo "== bench_enqueue chain, GPU $g alone"
@@ -158,14 +167,14 @@ else
 		grep -v "^bench_enqueue: \[" "$logs/chain-alone-$g.txt"
 	done
 	echo "== bench_enqueue chain, every GPU at once (a process each)"
-	pids=""
 	for g in $(seq 0 $((gpus - 1))); do
 		# shellcheck disable=SC2086
 		"$B/bench/bench_enqueue" $chain --device "$g" --json "$logs/chain-together-$g.json" \
 			>"$logs/chain-together-$g.txt" 2>&1 &
-		pids="$pids $!"
+		bench_pids="$bench_pids $!"
 	done
-	for p in $pids; do wait "$p" || status=1; done
+	for p in $bench_pids; do wait "$p" || status=1; done
+	bench_pids=""
 	for g in $(seq 0 $((gpus - 1))); do
 		echo "-- GPU $g"
 		grep -v "^bench_enqueue: \[" "$logs/chain-together-$g.txt"

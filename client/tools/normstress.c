@@ -6,6 +6,7 @@
  *              [--rows LIST|MIN-MAX] [--cols LIST|MIN-MAX] [--inflight K]
  *              [--mode sync|event|enqueue] [--verify FRACTION] [--seed S] [--json FILE]
  *              [--kill-rate R] [--bad-rate R] [--timeout MS] [--kit-reuse N]
+ *              [--devices LIST|all]
  *
  * N client processes (fork) run T threads each; every thread has its own
  * connection and its own pool of registered regions ("kits": a job with its
@@ -34,7 +35,8 @@
  *
  * Exit status: 0 when every valid job succeeded and matched the reference and
  * every invalid one got its expected status; 1 otherwise (or when the daemon
- * is unreachable); 2 for a bad command line or a mode the daemon cannot run.
+ * is unreachable); 2 for a bad command line, a mode the daemon cannot run, or
+ * --devices naming a GPU it does not serve.
  *
  * --mode event (ordering with CUDA IPC events) and CUDA regions belong to the
  * CUDA backend; on the CPU backend --mode sync and enqueue run. The kit_*()
@@ -347,8 +349,12 @@ static int devices_resolve(struct stress_opts *o, const struct nc_server_info *i
 			return 2;
 		}
 	}
+	if (o->n_devices == 0) {
+		fprintf(stderr, "normstress: --devices all: the daemon lists no GPU\n");
+		return 2;
+	}
 	o->device = o->devices[0];
-	return o->n_devices ? 0 : 2;
+	return 0;
 }
 
 /*

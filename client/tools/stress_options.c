@@ -59,7 +59,8 @@ static const char usage_text[] =
 	"                     daemon serves; default: its first)\n"
 	"\n"
 	"Exit status: 0 if every valid job succeeded and verified and every invalid\n"
-	"request got its expected error; 1 otherwise; 2 for usage errors.\n";
+	"request got its expected error; 1 otherwise; 2 for usage errors (a GPU\n"
+	"--devices names that the daemon does not serve included).\n";
 
 static void usage(FILE *f)
 {

@@ -376,22 +376,38 @@ static int worker_event_done(struct worker *w, struct flight *f, int timeout_ms)
 	}
 }
 
+/*
+ * Enqueue mode, after a queued job timed out: whether the daemon answered
+ * (launched) every job of the connection tells a job it never saw ready
+ * from one the GPU never finished. An asynchronous job error that comes
+ * back instead is an unexpected error of its own.
+ */
+static void worker_say_answered(struct worker *w)
+{
+	int rc = nc_conn_check(w->conn, 1000);
+	if (rc == NC_OK || rc == NC_ETIMEOUT) {
+		worker_say(w, "every job of the connection answered by the daemon: %s",
+			   rc == NC_OK ? "yes (the GPU did not finish it)" : "no");
+		return;
+	}
+	worker_unexpected(w, rc);
+	worker_say(w, "and an earlier job failed: %s: %s", nc_status_name(rc), nc_last_error());
+}
+
 static void worker_collect_events(struct worker *w)
 {
 	static const struct nc_job_result ok; /* status NC_OK, no message */
 	struct flight *oldest = worker_oldest(w);
 	int done = worker_event_done(w, oldest, w->opt->timeout_ms);
 	if (done == 0) {
-		/* Whether the daemon launched it (answered) tells a stuck daemon from a stuck GPU. */
 		const struct jobkit_spec *sp = &w->kits[oldest->kit].jk.spec;
-		int answered = nc_conn_check(w->conn, 1000);
 		worker_unexpected(w, NC_ETIMEOUT);
-		worker_say(w, "a queued job did not finish within %d ms (%s %llux%llu %s%s); "
-			      "every job answered by the daemon: %s",
+		worker_say(w, "a queued job did not finish within %d ms (%s %llux%llu %s%s)",
 			   w->opt->timeout_ms, jobkit_op_name(sp->op), (unsigned long long)sp->rows,
 			   (unsigned long long)sp->cols, jobkit_dtype_name(sp->dtype),
-			   oldest->verify ? ", verified" : "",
-			   answered == NC_OK ? "yes" : nc_status_name(answered));
+			   oldest->verify ? ", verified" : "");
+		if (w->opt->mode == MODE_ENQUEUE)
+			worker_say_answered(w);
 		w->broken = true;
 	}
 	if (done <= 0)

@@ -32,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -619,6 +620,55 @@ static int variant_cache_per_uuid(void)
 
 /* ---- the daemon killed under every GPU's clients ----------------------------------------- */
 
+/* A chain client per GPU on d's socket; how many were forked (all is gpus.count). */
+static int chains_start(const struct test_daemon *d, int go[2], int out[][2], pid_t *pids)
+{
+	int forked = 0;
+	for (int g = 0; g < gpus.count; g++) {
+		if (pipe(out[g]) != 0)
+			break;
+		struct enqueue_chain c = {.socket_path = d->socket, .device = g, .rows = 16384,
+					  .cols = 8192, .jobs = 2000, .signal_after = 50,
+					  .go_fd = go[1]};
+		fflush(NULL);
+		pids[g] = fork();
+		if (pids[g] == 0) {
+			prctl(PR_SET_PDEATHSIG, SIGKILL);
+			close(go[0]);
+			close(out[g][0]);
+			child_exit(enqueue_chain_run(&c, out[g][1]));
+		}
+		close(out[g][1]);
+		if (pids[g] < 0) {
+			close(out[g][0]);
+			break;
+		}
+		forked++;
+	}
+	return forked;
+}
+
+/* What GPU g's client saw after the kill at killed_ns; true if it was released in time. */
+static bool chain_released(int g, int fd, int64_t killed_ns)
+{
+	struct enqueue_chain_outcome o = {0};
+	int got = test_read_within(fd, &o, sizeof(o), 30000);
+	double after_ms = (double)(o.synced_ns - killed_ns) / 1e6;
+	printf("  GPU %d: %d of 2000 enqueued; stream released %.1f ms after the kill (%s); "
+	       "nc_conn_check: %s\n",
+	       g, o.enqueued, after_ms, cudaGetErrorString((cudaError_t)o.cuda_rc),
+	       nc_status_name(o.check_rc));
+	bool released = got == 0 && o.cuda_rc == cudaSuccess && after_ms > 0 && after_ms < 1000 &&
+			o.check_rc == NC_EDISCONNECTED &&
+			(o.enqueue_rc == 0 || o.enqueue_rc == NC_EDISCONNECTED);
+	if (!released)
+		fprintf(stderr, "  GPU %d's client was not released as it should be%s\n", g,
+			got != 0     ? " (no outcome within 30 s)"
+			: after_ms <= 0 ? " (its chain ended before the kill)"
+					: "");
+	return released;
+}
+
 /*
  * A client per GPU enqueues a long chain (2000 LayerNorm forwards of 16384 x
  * 8192 bf16, a third of a second of work); once each has 50 enqueued, the
@@ -633,47 +683,34 @@ static int daemon_killed_under_every_gpu(void *arg)
 	CHECK(test_daemon_start_on(&d, "all", NULL) == 0, "cannot start a second normd");
 	int go[2], out[MAX_GPUS][2];
 	pid_t pids[MAX_GPUS];
-	CHECK(pipe(go) == 0, "pipe");
-	for (int g = 0; g < gpus.count; g++) {
-		CHECK(pipe(out[g]) == 0, "pipe");
-		struct enqueue_chain c = {.socket_path = d.socket, .device = g, .rows = 16384,
-					  .cols = 8192, .jobs = 2000, .signal_after = 50,
-					  .go_fd = go[1]};
-		fflush(NULL);
-		pids[g] = fork();
-		if (pids[g] == 0)
-			child_exit(enqueue_chain_run(&c, out[g][1]));
-		close(out[g][1]);
+	if (pipe(go) != 0) {
+		test_daemon_stop(&d);
+		CHECK(false, "pipe");
 	}
+	int forked = chains_start(&d, go, out, pids);
 	close(go[1]);
 	char bytes[MAX_GPUS];
-	int started = test_read_within(go[0], bytes, (size_t)gpus.count, 60000);
-	usleep(30 * 1000);
-	int64_t killed_ns = enqueue_chain_now_ns();
-	kill(d.pid, SIGKILL);
-	d.exited = waitpid(d.pid, &d.wait_status, 0) == d.pid;
+	int started = forked == gpus.count
+			      ? test_read_within(go[0], bytes, (size_t)gpus.count, 60000)
+			      : -1;
 	int bad = 0;
-	for (int g = 0; g < gpus.count; g++) {
-		struct enqueue_chain_outcome o = {0};
-		int got = test_read_within(out[g][0], &o, sizeof(o), 30000);
+	if (started == 0) {
+		usleep(30 * 1000);
+		int64_t killed_ns = enqueue_chain_now_ns();
+		kill(d.pid, SIGKILL);
+		d.exited = waitpid(d.pid, &d.wait_status, 0) == d.pid;
+		for (int g = 0; g < forked; g++)
+			bad += !chain_released(g, out[g][0], killed_ns);
+	}
+	for (int g = 0; g < forked; g++) {
 		kill(pids[g], SIGKILL);
 		waitpid(pids[g], NULL, 0);
 		close(out[g][0]);
-		double after_ms = (double)(o.synced_ns - killed_ns) / 1e6;
-		printf("  GPU %d: %d of 2000 enqueued; stream released %.1f ms after the kill (%s); "
-		       "nc_conn_check: %s\n",
-		       g, o.enqueued, after_ms, cudaGetErrorString((cudaError_t)o.cuda_rc),
-		       nc_status_name(o.check_rc));
-		bool released = got == 0 && o.cuda_rc == cudaSuccess && after_ms > 0 &&
-				after_ms < 1000 && o.check_rc == NC_EDISCONNECTED &&
-				(o.enqueue_rc == 0 || o.enqueue_rc == NC_EDISCONNECTED);
-		if (!released)
-			fprintf(stderr, "  GPU %d's client was not released as it should be%s\n", g,
-				after_ms <= 0 ? " (its chain ended before the kill)" : "");
-		bad += !released;
 	}
 	close(go[0]);
 	test_daemon_stop(&d);
+	CHECK(forked == gpus.count, "%d of %d chain clients started (pipe or fork failed)", forked,
+	      gpus.count);
 	CHECK(started == 0, "the chains did not all start");
 	CHECK(bad == 0, "%d of %d GPUs' clients not released within a second", bad, gpus.count);
 	return 0;

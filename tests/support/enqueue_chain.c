@@ -41,39 +41,58 @@ static int chain_jobs(nc_conn *conn, const struct enqueue_chain *c, struct nc_jo
 	return 0;
 }
 
+/* Says "go" once on c->go_fd (if any), so that a waiting test never waits for a chain in vain. */
+static void chain_signal(const struct enqueue_chain *c, bool *signalled)
+{
+	if (!*signalled && c->go_fd >= 0)
+		*signalled = write(c->go_fd, "g", 1) == 1;
+}
+
 int enqueue_chain_run(const struct enqueue_chain *c, int out_fd)
 {
 	struct enqueue_chain_outcome o = {0};
 	nc_conn *conn = NULL;
 	struct nc_job fwd, bwd;
 	void *base = NULL;
-	cudaStream_t s;
-	if (cudaSetDevice(c->device) != cudaSuccess ||
-	    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess ||
-	    nc_connect(c->socket_path, "enqueue-chain", 10000, &conn) != NC_OK ||
-	    chain_jobs(conn, c, &fwd, &bwd, &base) != 0) {
-		fprintf(stderr, "  chain set-up on GPU %d: %s\n", c->device, nc_last_error());
-		return 2;
-	}
+	cudaStream_t s = NULL;
 	bool signalled = false;
+	int status = 2;
+	cudaError_t err = cudaSetDevice(c->device);
+	if (err == cudaSuccess)
+		err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+	if (err != cudaSuccess) {
+		fprintf(stderr, "  chain set-up on GPU %d: %s\n", c->device, cudaGetErrorString(err));
+		goto out;
+	}
+	if (nc_connect(c->socket_path, "enqueue-chain", 10000, &conn) != NC_OK ||
+	    chain_jobs(conn, c, &fwd, &bwd, &base) != 0) {
+		fprintf(stderr, "  chain set-up on GPU %d: %s (CUDA: %s)\n", c->device,
+			nc_last_error(), cudaGetErrorString(cudaGetLastError()));
+		goto out;
+	}
 	for (int k = 0; k < c->jobs && o.enqueue_rc == 0; k++) {
 		int rc = nc_job_enqueue(conn, c->backward && k % 2 ? &bwd : &fwd, s);
 		if (rc == NC_OK)
 			o.enqueued++;
 		else
 			o.enqueue_rc = rc;
-		if (!signalled && c->go_fd >= 0 && (k + 1 == c->signal_after || rc != NC_OK))
-			signalled = write(c->go_fd, "g", 1) == 1;
+		if (k + 1 == c->signal_after || rc != NC_OK)
+			chain_signal(c, &signalled);
 	}
-	if (!signalled && c->go_fd >= 0)
-		signalled = write(c->go_fd, "g", 1) == 1;
+	chain_signal(c, &signalled);
 	o.cuda_rc = (int)cudaStreamSynchronize(s);
 	o.synced_ns = enqueue_chain_now_ns();
 	o.check_rc = nc_conn_check(conn, 5000);
+	status = o.enqueue_rc == 0 && o.cuda_rc == 0 && o.check_rc == 0 ? 0 : 1;
 	if (out_fd >= 0 && write(out_fd, &o, sizeof(o)) != sizeof(o))
-		return 3;
-	cudaStreamDestroy(s);
-	cudaFree(base);
+		status = 3;
+out:
+	chain_signal(c, &signalled);
 	nc_close(conn);
-	return o.enqueue_rc == 0 && o.cuda_rc == 0 && o.check_rc == 0 ? 0 : 1;
+	if (base && cudaFree(base) != cudaSuccess)
+		fprintf(stderr, "  chain: cudaFree: %s\n", cudaGetErrorString(cudaGetLastError()));
+	if (s && cudaStreamDestroy(s) != cudaSuccess)
+		fprintf(stderr, "  chain: cudaStreamDestroy: %s\n",
+			cudaGetErrorString(cudaGetLastError()));
+	return status;
 }

@@ -35,9 +35,10 @@ int64_t enqueue_chain_now_ns(void);
 /*
  * Runs the chain (x, y, dy, dx [rows, cols] bf16, gamma, beta [cols], mean,
  * rstd in one cudaMalloc allocation on c->device) and writes the outcome to
- * out_fd when it is >= 0. Returns 0 when every call worked, 1 when one did
- * not, 2 or 3 when the set-up or the report failed. Call it in a process
- * of its own (it makes a CUDA context).
+ * out_fd when it is >= 0. Says "go" on c->go_fd once signal_after jobs
+ * are enqueued, or at once when the set-up fails. Returns 0 when every call
+ * worked, 1 when one did not, 2 or 3 when the set-up or the report failed.
+ * Call it in a process of its own (it makes a CUDA context).
  */
 int enqueue_chain_run(const struct enqueue_chain *c, int out_fd);
 
