@@ -376,10 +376,10 @@ static void report_job(const struct bjob *b, double us, const struct nk_variant 
  * numbers that the "within 3%" target compares come from the same span of
  * time.
  */
-static void bench_op(enum nk_op op, enum nk_dtype dt, int64_t cols, enum bvariant var)
+static void bench_op(enum nk_op op, enum nk_dtype dt, int64_t rows, int64_t cols,
+		     enum bvariant var)
 {
-	struct bjob b[2] = {{op, dt, false, TOTAL_ELEMS / cols, cols, var},
-			    {op, dt, true, TOTAL_ELEMS / cols, cols, var}};
+	struct bjob b[2] = {{op, dt, false, rows, cols, var}, {op, dt, true, rows, cols, var}};
 	const struct nk_variant *defaults[2] = {NULL, NULL};
 	struct nk_variant ran[2];
 	double us[2];
@@ -458,7 +458,19 @@ struct selection {
 	bool variant[V_COUNT]; /* by enum bvariant */
 	int64_t cols[32];
 	int ncols;
+	int64_t rows;	       /* rows=N; 0: 2^28 elements a shape */
 };
+
+/* rows=N: every shape with N rows (as many as the 2^28-element buffers hold at its width). */
+static bool parse_rows(struct selection *sel, const char *v)
+{
+	char *end;
+	long long n = strtoll(v, &end, 10);
+	if (*v < '0' || *v > '9' || *end || n < 1 || n > TOTAL_ELEMS / 128)
+		return false;
+	sel->rows = n;
+	return true;
+}
 
 static bool parse_word(struct selection *sel, const char *w)
 {
@@ -466,6 +478,8 @@ static bool parse_word(struct selection *sel, const char *w)
 
 	if (strcmp(w, "--plan") == 0)
 		sel->plan = true;
+	else if (strncmp(w, "rows=", 5) == 0)
+		return parse_rows(sel, w + 5);
 	else if (strcmp(w, "fwd") == 0 || strcmp(w, "bwd") == 0)
 		*(w[0] == 'f' ? &sel->fwd : &sel->bwd) = true;
 	else if (strcmp(w, "bf16") == 0 || strcmp(w, "f16") == 0 || strcmp(w, "f32") == 0)
@@ -499,8 +513,8 @@ static bool parse_args(int argc, char **argv, struct selection *sel)
 		if (*end != '\0' || c < 128 || c > 65536 || sel->ncols == 32) {
 			fprintf(stderr,
 				"bench_norm: %s: expected --plan, fwd, bwd, bf16, f16, f32, "
-				"plain, add, offset, fp8, variants or a width of 128..65536 "
-				"columns (at most 32)\n",
+				"plain, add, offset, fp8, variants, rows=N or a width of "
+				"128..65536 columns (at most 32)\n",
 				argv[k]);
 			return false;
 		}
@@ -540,17 +554,23 @@ static void run_shape(const struct selection *sel, enum nk_dtype dt, int64_t col
 {
 	const enum nk_op ops[] = {NK_LAYERNORM_FWD, NK_LAYERNORM_BWD, NK_RMSNORM_FWD,
 				  NK_RMSNORM_BWD};
+	int64_t rows = sel->rows ? sel->rows : TOTAL_ELEMS / cols;
+	if (rows > TOTAL_ELEMS / cols) {
+		fprintf(stderr, "bench_norm: %lld rows of %lld columns exceed the buffers (2^28 "
+				"elements): skipped\n", (long long)rows, (long long)cols);
+		return;
+	}
 
 	for (int v = 0; v < V_COUNT; v++) {
 		for (size_t o = 0; sel->variant[v] && o < sizeof(ops) / sizeof(ops[0]); o++) {
 			bool bwd = bwd_op(ops[o]);
-			struct bjob b = {ops[o], dt, false, TOTAL_ELEMS / cols, cols, v};
+			struct bjob b = {ops[o], dt, false, rows, cols, v};
 			if ((bwd && !sel->bwd) || (!bwd && !sel->fwd) || (bwd && v == V_FP8))
 				continue;
 			if (sel->plan)
 				plan_op(&b);
 			else
-				bench_op(ops[o], dt, cols, v);
+				bench_op(ops[o], dt, rows, cols, v);
 		}
 	}
 }
@@ -565,6 +585,7 @@ int main(int argc, char **argv)
 	 * forward or backward ops, "bf16", "f16", "f32" to those dtypes
 	 * (default bf16 and f32), "plain", "add", "offset", "fp8" to the plain
 	 * norms and those variants ("variants": all three; default plain),
+	 * "rows=N" gives every shape N rows instead of 2^28 elements' worth,
 	 * "--plan" prints the rows and their bytes instead of measuring.
 	 */
 	if (!parse_args(argc, argv, &sel))
