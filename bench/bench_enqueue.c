@@ -1185,8 +1185,7 @@ static int parse(struct options *o, int argc, char **argv)
 		else if (strcmp(a, "--procs") != 0 || parse_procs(o, v) != 0)
 			return -1;
 	}
-	return o->device >= 0 && o->device < 1024 && o->calls >= 100 && o->calls <= 10000000 &&
-			       o->chain >= 1 &&
+	return o->device >= 0 && o->calls >= 100 && o->calls <= 10000000 && o->chain >= 1 &&
 			       o->chain <= 10000000 && o->seconds > 0 && o->seconds <= 600
 		       ? 0
 		       : -1;
@@ -1261,7 +1260,8 @@ int main(int argc, char **argv)
 		progress("starting %s --device %s",
 			 getenv("NORMD_BIN") ? getenv("NORMD_BIN") : "build/bin/normd", ordinal);
 		if (test_daemon_start_on(&d, ordinal, o.daemon_args) != 0) {
-			fprintf(stderr, "bench_enqueue: cannot start normd --device %s (set NORMD_BIN)\n",
+			fprintf(stderr,
+				"bench_enqueue: cannot start normd --device %s (set NORMD_BIN)\n",
 				ordinal);
 			return 1;
 		}

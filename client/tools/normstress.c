@@ -324,12 +324,13 @@ static bool daemon_stats(const struct stress_opts *o, bool settle, struct nc_sta
 static int devices_resolve(struct stress_opts *o, const struct nc_server_info *info)
 {
 	unsigned served = info->device_count < MAX_DEVICES ? info->device_count : MAX_DEVICES;
-	if (!o->devices_arg || !o->on_device) {
-		if (o->devices_arg) {
-			fprintf(stderr, "normstress: --devices needs the cuda backend; the daemon "
-					"runs %s\n", info->backend);
-			return 2;
-		}
+	if (o->devices_arg && !o->on_device) {
+		fprintf(stderr,
+			"normstress: --devices needs the cuda backend; the daemon runs %s\n",
+			info->backend);
+		return 2;
+	}
+	if (!o->devices_arg) {
 		o->devices[0] = o->device = info->device_index[0];
 		o->n_devices = 1;
 		return 0;

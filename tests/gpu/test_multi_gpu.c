@@ -280,14 +280,19 @@ static int every_op_on(void *arg)
 	return 0;
 }
 
-static int every_op_on_device(int device)
+/*
+ * Runs client() in a child on `device` (-1: every device) with `jobs` jobs,
+ * then checks that `ran` jobs ran on each device it named and none elsewhere.
+ */
+static int ran_where_asked(int (*client)(void *), int device, int jobs, int ran)
 {
 	uint64_t before[MAX_GPUS];
 	int expected[MAX_GPUS] = {0};
 	CHECK(device_job_counts(before) == 0, "no stats");
-	struct target t = {.socket = daemon_.socket, .device = device};
-	CHECK(in_child(every_op_on, &t) == 0, "jobs on device %d failed", device);
-	expected[device] = EVERY_OP_JOBS + 1; /* and the variant check's job */
+	struct target t = {.socket = daemon_.socket, .device = device, .jobs = jobs};
+	CHECK(in_child(client, &t) == 0, "jobs on device %d failed", device);
+	for (int d = 0; d < gpus.count; d++)
+		expected[d] = device < 0 || d == device ? ran : 0;
 	return jobs_ran_where_expected(before, expected);
 }
 
@@ -359,7 +364,8 @@ static int enqueue_batch(nc_conn *conn, const cudaStream_t *streams, int lo, int
 	/* Device by device in turn: one connection's jobs on every GPU interleaved. */
 	for (int i = 0; i < n; i++)
 		for (int d = lo; d <= hi; d++) {
-			int rc = made[d][i] ? nc_job_enqueue(conn, &kits[d][i].job, streams[d]) : NC_OK;
+			const struct nc_job *job = &kits[d][i].job;
+			int rc = made[d][i] ? nc_job_enqueue(conn, job, streams[d]) : NC_OK;
 			if (rc != NC_OK)
 				fprintf(stderr, "  enqueue on device %d: %s (%s)\n", d,
 					nc_status_name(rc), nc_last_error());
@@ -378,7 +384,8 @@ static int enqueue_batch(nc_conn *conn, const cudaStream_t *streams, int lo, int
 		for (int i = 0; i < n; i++) {
 			struct jobkit_report rep = {0};
 			if (made[d][i] && !jobkit_check(&kits[d][i], &rep)) {
-				fprintf(stderr, "  device %d, job %d: %s\n", d, first + i, rep.detail);
+				fprintf(stderr, "  device %d, job %d: %s\n", d, first + i,
+					rep.detail);
 				bad++;
 			}
 			if (made[d][i])
@@ -412,30 +419,6 @@ static int enqueued_on(void *arg)
 	CHECK(bad == 0, "%d of %d enqueued jobs (or their streams) wrong on device %d", bad,
 	      t->jobs * (hi - lo + 1), t->device);
 	return 0;
-}
-
-static int enqueued_on_device(int device)
-{
-	uint64_t before[MAX_GPUS];
-	int expected[MAX_GPUS] = {0};
-	CHECK(device_job_counts(before) == 0, "no stats");
-	struct target t = {.socket = daemon_.socket, .device = device, .jobs = EVERY_OP_JOBS};
-	CHECK(in_child(enqueued_on, &t) == 0, "enqueued jobs on device %d failed", device);
-	expected[device] = EVERY_OP_JOBS;
-	return jobs_ran_where_expected(before, expected);
-}
-
-/* One process, one connection, a stream on every device, jobs enqueued on each in turn. */
-static int enqueued_from_one_process(void)
-{
-	uint64_t before[MAX_GPUS];
-	int expected[MAX_GPUS] = {0};
-	CHECK(device_job_counts(before) == 0, "no stats");
-	struct target t = {.socket = daemon_.socket, .device = -1, .jobs = AT_ONCE_JOBS};
-	CHECK(in_child(enqueued_on, &t) == 0, "enqueued jobs on every device failed");
-	for (int d = 0; d < gpus.count; d++)
-		expected[d] = AT_ONCE_JOBS;
-	return jobs_ran_where_expected(before, expected);
 }
 
 /* ---- a job across devices ---------------------------------------------------------------- */
@@ -772,16 +755,19 @@ int main(void)
 	for (int d = 0; d < gpus.count; d++) {
 		char name[64];
 		snprintf(name, sizeof(name), "every op on device %d, and only there", d);
-		report(name, every_op_on_device(d));
+		/* EVERY_OP_JOBS and variant_named's job */
+		report(name, ran_where_asked(every_op_on, d, 0, EVERY_OP_JOBS + 1));
 	}
 	report("every device at once", every_device_at_once(jobs_on, AT_ONCE_JOBS));
 	for (int d = 0; d < gpus.count; d++) {
 		char name[64];
 		snprintf(name, sizeof(name), "enqueued jobs on device %d, and only there", d);
-		report(name, enqueued_on_device(d));
+		report(name, ran_where_asked(enqueued_on, d, EVERY_OP_JOBS, EVERY_OP_JOBS));
 	}
-	report("enqueued on every device at once", every_device_at_once(enqueued_on, EVERY_OP_JOBS));
-	report("one process enqueues on every device", enqueued_from_one_process());
+	report("enqueued on every device at once",
+	       every_device_at_once(enqueued_on, EVERY_OP_JOBS));
+	report("one process enqueues on every device",
+	       ran_where_asked(enqueued_on, -1, AT_ONCE_JOBS, AT_ONCE_JOBS));
 	report("a job across two devices refused", mixed_devices_refused());
 	report("regions released after the clients", gpu_test_wait_idle(daemon_.socket) ? 1 : 0);
 	bool alive = test_daemon_alive(&daemon_);

@@ -61,7 +61,8 @@ int enqueue_chain_run(const struct enqueue_chain *c, int out_fd)
 	if (err == cudaSuccess)
 		err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
 	if (err != cudaSuccess) {
-		fprintf(stderr, "  chain set-up on GPU %d: %s\n", c->device, cudaGetErrorString(err));
+		fprintf(stderr, "  chain set-up on GPU %d: %s\n", c->device,
+			cudaGetErrorString(err));
 		goto out;
 	}
 	if (nc_connect(c->socket_path, "enqueue-chain", 10000, &conn) != NC_OK ||
