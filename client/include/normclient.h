@@ -568,6 +568,7 @@ struct nc_stats {
 	uint32_t regions;
 	uint64_t mapped_bytes;
 	uint64_t rss_bytes;
+	uint64_t heap_bytes;            /* malloc'd and not freed: what a leak grows */
 	uint64_t bytes_processed;
 	uint64_t errors_by_status[16]; /* every reply, indexed by wire status value */
 	char backend[16];

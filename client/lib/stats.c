@@ -70,6 +70,7 @@ NC_API int nc_stats_get(nc_conn *conn, int timeout_ms, struct nc_stats *out)
 	out->regions = s->regions;
 	out->mapped_bytes = s->mapped_bytes;
 	out->rss_bytes = s->rss_bytes;
+	out->heap_bytes = s->heap_bytes;
 	out->bytes_processed = s->bytes_processed;
 	for (size_t i = 0; i < s->n_errors_by_status && i < 16; i++)
 		out->errors_by_status[i] = s->errors_by_status[i];

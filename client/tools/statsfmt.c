@@ -103,12 +103,12 @@ void statsfmt_text(FILE *out, const struct nc_stats *s)
 		"backend          %s\nuptime           %.1f s\nclients          %u (%llu total)\n"
 		"jobs             %llu ok, %llu failed, %u in flight\n"
 		"regions          %u (%llu bytes mapped)\nbytes processed  %llu\n"
-		"daemon rss       %llu bytes\nreplies by status",
+		"daemon rss       %llu bytes (heap %llu in use)\nreplies by status",
 		s->backend, (double)s->uptime_ms / 1e3, s->clients,
 		(unsigned long long)s->clients_total, (unsigned long long)s->jobs_ok,
 		(unsigned long long)s->jobs_failed, s->jobs_in_flight, s->regions,
 		(unsigned long long)s->mapped_bytes, (unsigned long long)s->bytes_processed,
-		(unsigned long long)s->rss_bytes);
+		(unsigned long long)s->rss_bytes, (unsigned long long)s->heap_bytes);
 	for (unsigned i = 0; i < STATUS_COUNT; i++) {
 		if (s->errors_by_status[i])
 			fprintf(out, " %s=%llu", nc_status_name(-(int)i),
@@ -203,13 +203,13 @@ void statsfmt_json(FILE *out, const struct nc_stats *s)
 	fprintf(out,
 		"{\"backend\":\"%s\",\"uptime_ms\":%llu,\"clients\":%u,\"clients_total\":%llu,"
 		"\"jobs_ok\":%llu,\"jobs_failed\":%llu,\"jobs_in_flight\":%u,\"regions\":%u,"
-		"\"mapped_bytes\":%llu,\"rss_bytes\":%llu,\"bytes_processed\":%llu,"
+		"\"mapped_bytes\":%llu,\"rss_bytes\":%llu,\"heap_bytes\":%llu,\"bytes_processed\":%llu,"
 		"\"replies_by_status\":{",
 		s->backend, (unsigned long long)s->uptime_ms, s->clients,
 		(unsigned long long)s->clients_total, (unsigned long long)s->jobs_ok,
 		(unsigned long long)s->jobs_failed, s->jobs_in_flight, s->regions,
 		(unsigned long long)s->mapped_bytes, (unsigned long long)s->rss_bytes,
-		(unsigned long long)s->bytes_processed);
+		(unsigned long long)s->heap_bytes, (unsigned long long)s->bytes_processed);
 	for (unsigned i = 0; i < STATUS_COUNT; i++)
 		fprintf(out, "%s\"%s\":%llu", i ? "," : "", nc_status_name(-(int)i),
 			(unsigned long long)s->errors_by_status[i]);
@@ -410,6 +410,8 @@ void statsfmt_prometheus(FILE *out, const struct nc_stats *s, const char *versio
 		   (double)s->mapped_bytes);
 	prom_gauge(out, "normd_resident_memory_bytes", "The daemon's resident set size.",
 		   (double)s->rss_bytes);
+	prom_gauge(out, "normd_heap_bytes", "Bytes the daemon has allocated and not freed.",
+		   (double)s->heap_bytes);
 	prom_family(out, "normd_replies_total", "counter",
 		    "Replies of every kind the daemon sent, by status.");
 	for (unsigned i = 0; i < STATUS_COUNT; i++)

@@ -76,13 +76,14 @@ void report_text(const struct stress *st, const struct totals *t, double elapsed
 	print_status_map(t->valid_status);
 	print_devices(st);
 	if (st->have_after)
-		printf("daemon      up; rss %.1f MiB before, %.1f MiB after (%+.1f%%); %u regions, "
-		       "%u jobs left\n",
+		printf("daemon      up; rss %.1f MiB before, %.1f MiB after (%+.1f%%); heap %+lld "
+		       "bytes; %u regions, %u jobs left\n",
 		       (double)st->before.rss_bytes / 1048576.0,
 		       (double)st->after.rss_bytes / 1048576.0,
 		       st->before.rss_bytes ? 100.0 * ((double)st->after.rss_bytes /
 							(double)st->before.rss_bytes - 1.0)
 					    : 0.0,
+		       (long long)st->after.heap_bytes - (long long)st->before.heap_bytes,
 		       st->after.regions, st->after.jobs_in_flight);
 	else
 		printf("daemon      NOT REACHABLE after the run\n");
@@ -136,8 +137,10 @@ static void json_body(FILE *f, const struct stress *st, const struct totals *t, 
 			(unsigned long long)device_jobs(st, st->after.devices[i].index));
 	fprintf(f, "},");
 	fprintf(f, "\"daemon_rss_before\":%llu,\"daemon_rss_after\":%llu,"
+		   "\"daemon_heap_before\":%llu,\"daemon_heap_after\":%llu,"
 		   "\"daemon_regions_after\":%u,\"passed\":%s}\n",
 		(unsigned long long)st->before.rss_bytes, (unsigned long long)st->after.rss_bytes,
+		(unsigned long long)st->before.heap_bytes, (unsigned long long)st->after.heap_bytes,
 		st->after.regions, run_passed(st, t) ? "true" : "false");
 }
 

@@ -218,6 +218,7 @@ class NcStats(ctypes.Structure):
         ("regions", ctypes.c_uint32),
         ("mapped_bytes", ctypes.c_uint64),
         ("rss_bytes", ctypes.c_uint64),
+        ("heap_bytes", ctypes.c_uint64),
         ("bytes_processed", ctypes.c_uint64),
         ("errors_by_status", ctypes.c_uint64 * 16),
         ("backend", ctypes.c_char * 16),
