@@ -80,6 +80,7 @@ class _Conn:
         self.lock = threading.Lock()
         self.regions = {}    # region id -> HostRegion, registered and not yet freed
         self.abandoned = []  # tensors of jobs that timed out (the daemon may still use them)
+        self.eager_bound = False  # the compiled eager operator knows this handle (normd.eager)
 
     def checked_handle(self):
         """The library's handle; NormdError if closed or used by a forked child."""
@@ -108,6 +109,10 @@ class _Conn:
             # A forked child shares the parent's socket: saying Goodbye or
             # unregistering would end the parent's session. Leave it alone.
             return
+        if self.eager_bound:
+            from . import eager
+
+            eager.conn_closed(handle)
         # nc_close() leaves host regions to the caller: free them first.
         for region in regions:
             region._release()
@@ -637,11 +642,7 @@ class Client:
             handle = conn.checked_handle()  # raises the closed / forked-child error
         rc = self._enqueue_device_call(handle, job, ptrs, stream)
         if rc:
-            message = _lib.text(self._lib.nc_last_error())
-            # The library names a tensor it could not register: "tensor x: pointer ...".
-            if rc == _UNSUPPORTED and message.startswith("tensor "):
-                message += _EXPANDABLE_HINT
-            raise NormdError(rc, message)
+            raise enqueue_device_error(rc, _lib.text(self._lib.nc_last_error()))
 
     def check(self, timeout_ms=None):
         """Collects the enqueue mode's asynchronous errors (nc_conn_check).
@@ -687,6 +688,14 @@ _UNSUPPORTED = _lib.STATUS_CODES["UNSUPPORTED"]
 # Jobs without tensors by their fields; read-only once made, so threads share them.
 _norm_jobs = {}
 _NORM_JOBS_MAX = 1024
+
+
+def enqueue_device_error(rc, message):
+    """The NormdError of a failed nc_job_enqueue_device (Python or the compiled eager path)."""
+    # The library names a tensor it could not register: "tensor x: pointer ...".
+    if rc == _UNSUPPORTED and message.startswith("tensor "):
+        message += _EXPANDABLE_HINT
+    return NormdError(rc, message)
 
 
 def norm_job(op, rows, cols, eps, dtype, weight_dtype, flags):

@@ -65,6 +65,7 @@ from torch.nn import functional as F
 from torch.nn import init
 
 from .._lib import MEMORY_EFFICIENT, STATUS_CODES, TENSOR_ROLES, DType, Op, pack_device_pointers
+from .. import eager as _eager
 from ..client import completion_mode, default_client, norm_job
 from ..errors import NormdError
 
@@ -592,8 +593,41 @@ def _norm(rms, mixed, input, weight, bias, normalized_shape, eps, memory_efficie
     return run(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client)
 
 
+# The compiled eager operator (normd.eager): None until the first eager call asks.
+_eager_op = None
+
+
+def _run_eager(rms, input, weight, bias, shape, eps, memory_efficient, client):
+    """The call through the compiled operator, or None where the Python path takes it."""
+    global _eager_op
+    op = _eager_op
+    if op is None:
+        op = _eager_op = _eager.norm_op() or False
+    if op is False or completion_mode() != "enqueue":
+        return None
+    conn = (client or default_client())._conn
+    handle = conn.handle if conn.eager_bound else _eager.conn_key(conn)
+    if handle is None:
+        conn.checked_handle()  # raises: the client is closed
+    if type(eps) is not float:
+        eps = 0.0 if eps is None else float(eps)
+    try:
+        return op(input, weight, bias, shape, eps, rms, memory_efficient, handle)
+    except RuntimeError as e:
+        what = _eager.error(e)
+        if what is None:
+            raise
+        if what != "fallback":
+            raise what from None
+    return None
+
+
 def _apply(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):
-    """Runs the autograd Function that fits the call."""
+    """Runs the call: the compiled eager operator where it takes it, else the Function that fits."""
+    if input.is_cuda and (not mixed or weight is None or weight.dtype == input.dtype):
+        y = _run_eager(rms, input, weight, bias, shape, eps, memory_efficient, client)
+        if y is not None:
+            return y
     if weight is None:
         fn = FusedRMSNormFunction if rms else FusedLayerNormFunction
         return fn.apply(input, shape, eps, memory_efficient, client)
