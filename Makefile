@@ -152,7 +152,8 @@ WHEEL_PLATFORM := linux_$(shell uname -m)
 WHEEL := $(B)/wheel/normd-$(VERSION)-py3-none-$(WHEEL_PLATFORM).whl
 WHEEL_INPUTS := bindings/python/build_wheel.py bindings/python/pyproject.toml \
 	bindings/python/README.md bindings/python/licenses/protobuf-c.txt \
-	$(wildcard bindings/python/normd/*.py bindings/python/normd/*/*.py)
+	$(wildcard bindings/python/normd/*.py bindings/python/normd/*/*.py) \
+	$(wildcard bindings/python/normd/csrc/*.cpp) client/include/normclient.h
 
 .PHONY: wheel
 wheel: $(WHEEL)

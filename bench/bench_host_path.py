@@ -14,7 +14,9 @@ requiring grad. Rows:
 - an empty torch.autograd.Function (returns a view, gradient through): the
   least any autograd Function costs;
 - normd's FusedLayerNorm and FusedRMSNorm (affine), forward and forward +
-  backward, in the enqueue completion mode (``--modes`` adds sync, event);
+  backward, in the enqueue completion mode through the compiled eager operator
+  (normd.eager) and through the package's Python path (``--modes``: enqueue,
+  enqueue-python, sync, event);
 - the library alone: Client.enqueue_job of a job prepared once (ctypes,
   nc_job_enqueue: checking, encoding, the stream's semaphore operations,
   sending).
@@ -77,7 +79,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=300, help="untimed calls per row first (300)")
     p.add_argument("--shape", default="8x1024", help="x's shape, e.g. 8x1024 (8x1024)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    p.add_argument("--modes", default="enqueue", help="normd completion modes (enqueue)")
+    p.add_argument("--modes", default="enqueue,enqueue-python",
+                   help="normd completion modes; enqueue-python: the enqueue mode on the "
+                        "package's Python path (enqueue,enqueue-python)")
     p.add_argument("--rows", help="comma-separated row keys to run (all)")
     p.add_argument("--stub", action="store_true", help="stub the GPU pieces even with a GPU")
     p.add_argument("--profile", metavar="ROW", help="cProfile one row's calls instead")
@@ -289,12 +293,24 @@ def prepare_library_job(client, device, stub, rows, cols):
 
 @contextlib.contextmanager
 def completion(mode):
+    """The row's completion mode; "enqueue-python" is the enqueue mode without the compiled
+    eager operator (normd.eager), on the package's Python path."""
+    import importlib
+
     import normd
 
+    fln = importlib.import_module("normd.normalization.fused_layer_norm")
+    python_path = mode == "enqueue-python"
+    if python_path:
+        mode = "enqueue"
     old = normd.set_completion_mode(mode) if mode else None
+    eager_op = fln._eager_op
+    if python_path:
+        fln._eager_op = False
     try:
         yield
     finally:
+        fln._eager_op = eager_op
         if mode:
             normd.set_completion_mode(old)
 
@@ -457,7 +473,7 @@ def report(args, rows, how, cuda, shape):
     print("| call | median us | p90 us | / F.layer_norm | py calls |")
     print("|---|---|---|---|---|")
     for r in results:
-        base = ref.get("torch_ln_fwd_bwd" if r["key"].endswith("fwd_bwd") else "torch_ln_fwd")
+        base = ref.get("torch_ln_fwd_bwd" if "fwd_bwd" in r["key"] else "torch_ln_fwd")
         ratio = "%.2f" % (r["median_us"] / base) if base else "-"
         print("| %s | %.1f | %.1f | %s | %d |" % (r["title"], r["median_us"], r["p90_us"], ratio,
                                                   r["py_calls"]))

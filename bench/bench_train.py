@@ -14,7 +14,9 @@ Issue 18, item 6; `make bench-gpu` runs it. One run measures, on GPU 0:
   - apex: apex.normalization.FusedLayerNorm / FusedRMSNorm, where apex
     imports (otherwise its column says why it was skipped);
   - normd: normd.normalization.FusedLayerNorm / FusedRMSNorm, once per
-    completion mode (enqueue, event, sync: normd.set_completion_mode).
+    completion mode (enqueue, event, sync: normd.set_completion_mode; and
+    enqueue-python, the enqueue mode on the package's Python path rather
+    than its compiled eager operator, normd.eager).
   Each eager and compiled (torch.compile of the model, fullgraph=True, one
   compilation serving normd's three modes, which are read when the op
   runs; apex's Function calls its CUDA extension, which dynamo need not
@@ -76,6 +78,7 @@ Usage (GPU machine, after `make gpu-progs`; bench-gpu does this):
 
 import argparse
 import contextlib
+import importlib
 import datetime
 import json
 import math
@@ -101,7 +104,9 @@ EPS = 1e-5
 LOSS_RTOL = 2e-2
 GRAD_RTOL = 1e-1
 LR = 1e-5
-MODES = ("enqueue", "event", "sync")
+# enqueue-python: the enqueue mode on the package's Python path instead of the
+# compiled eager operator (normd.eager).
+MODES = ("enqueue", "enqueue-python", "event", "sync")
 IMPLS = ("torch", "apex", "normd")
 NORMS = ("layernorm", "rmsnorm")
 NORM_TITLES = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
@@ -380,11 +385,19 @@ def train_step(fn, opt, x, target):
 
 @contextlib.contextmanager
 def completion(mode):
-    """normd's completion mode for the block (None: leave it)."""
+    """normd's completion mode for the block (None: leave it; see MODES)."""
+    fln = importlib.import_module("normd.normalization.fused_layer_norm")
+    python_path = mode == "enqueue-python"
+    if python_path:
+        mode = "enqueue"
     old = normd.set_completion_mode(mode) if mode else None
+    eager_op = fln._eager_op
+    if python_path:
+        fln._eager_op = False
     try:
         yield
     finally:
+        fln._eager_op = eager_op
         if mode:
             normd.set_completion_mode(old)
 
@@ -670,6 +683,9 @@ class Worker:
             socket = self.daemon.socket
         self.client = normd.Client(socket, name="bench_train")
         normd.set_default_client(self.client)
+        if self.cuda:
+            normd.eager.norm_op()  # built now (once per torch), not inside a step
+            print(normd.eager.status(), flush=True)
         self.apex, self.apex_error = load_apex()
         self.compile_error = None if hasattr(torch, "compile") else \
             "torch %s has no torch.compile" % torch.__version__

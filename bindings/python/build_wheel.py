@@ -12,6 +12,9 @@ DIR/normd-VERSION-py3-none-PLATFORM.whl and holds:
 - the packages pyproject.toml lists ([tool.setuptools] packages), their .py files;
 - LIB as normd/libnormclient.so.0, which normd._lib loads before any other copy
   (only $NORMD_LIBRARY overrides it);
+- the package data pyproject.toml lists ([tool.setuptools.package-data]: the
+  eager operator's C++ source, which normd.eager compiles on first use) and,
+  beside that source, client/include/normclient.h, which it includes;
 - normd-VERSION.dist-info: METADATA from pyproject.toml and README.md, WHEEL
   (not pure: the tag names the platform; "py3-none" because the package is
   ctypes, bound to no Python ABI), RECORD, and licenses/ with the notices of
@@ -36,6 +39,8 @@ HERE = Path(__file__).resolve().parent
 #: The bundled library's name inside the wheel (normd._lib.BUNDLED_LIBRARY).
 BUNDLED_NAME = "libnormclient.so.0"
 #: Notices of the code linked into the bundled library: (file in HERE, name in licenses/).
+#: The library's header, which the eager operator's source includes.
+HEADER = HERE.parents[1] / "client" / "include" / "normclient.h"
 LICENSES = [("licenses/protobuf-c.txt", "protobuf-c.txt")]
 
 
@@ -102,6 +107,20 @@ def write_wheel(path, entries, dist_info):
     tmp.replace(path)
 
 
+def package_data(globs):
+    """(path in the wheel, file) for the [tool.setuptools.package-data] globs."""
+    files = []
+    for package, patterns in sorted(globs.items()):
+        folder = HERE.joinpath(*package.split("."))
+        for pattern in patterns:
+            found = sorted(folder.glob(pattern))
+            if not found:
+                sys.exit("build_wheel.py: package data %s of %s matches nothing" % (pattern, package))
+            files += [("%s/%s" % (package.replace(".", "/"), f.relative_to(folder).as_posix()), f)
+                      for f in found]
+    return files
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--library", required=True, help="the libnormclient.so to bundle")
@@ -120,8 +139,10 @@ def main():
     dist_info = "%s-%s.dist-info" % (name, version)
     tag = "py3-none-" + args.platform
 
-    entries = [(arc, src.read_bytes(), 0o644)
-               for arc, src in package_files(meta["tool"]["setuptools"]["packages"])]
+    setup = meta["tool"]["setuptools"]
+    files = package_files(setup["packages"]) + package_data(setup.get("package-data", {}))
+    files.append(("normd/csrc/normclient.h", HEADER))
+    entries = [(arc, src.read_bytes(), 0o644) for arc, src in files]
     entries.append(("%s/%s" % (name, BUNDLED_NAME), Path(args.library).read_bytes(), 0o755))
     entries.sort()
     readme = (HERE / project.get("readme", "README.md")).read_text()

@@ -430,7 +430,9 @@ NC_API int nc_job_run_event_ext(nc_conn *conn, const struct nc_job *job,
  * connection (else NC_ERESOURCE_EXHAUSTED). When the daemon holds
  * max_jobs_in_flight unfinished jobs of the connection, it reads the next
  * request only once one finishes; the call then blocks in send() if the
- * socket is full. WGRAD_ACCUM is not enqueued (NC_EUNSUPPORTED). Any
+ * socket is full. WGRAD_ACCUM is not enqueued (NC_EUNSUPPORTED), nor is a
+ * job on a stream that is capturing a CUDA graph (NC_EUNSUPPORTED: a replay
+ * runs the graph's kernels, never this call, so it would skip the job). Any
  * thread; calls on one connection are serialized. Call nc_close() only
  * after the streams that enqueued have no work left (it releases them
  * regardless).

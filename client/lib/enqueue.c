@@ -580,6 +580,18 @@ static int signal_wait_with_context(struct nc__block *b, void *stream, void *rea
 	return rc;
 }
 
+/* Whether `stream` is capturing a CUDA graph (a query that fails says no: the stream
+ * operations that follow fail and say why). */
+static bool stream_capturing(void *stream)
+{
+	enum cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+	if (cudaStreamIsCapturing((cudaStream_t)stream, &status) != cudaSuccess) {
+		cudaGetLastError();
+		return false;
+	}
+	return status != cudaStreamCaptureStatusNone;
+}
+
 /* Queues the stream side of one job and sends it; the enqueue lock is held. */
 static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block *b,
 			  struct nc__slot *slot, const struct nc_job *job,
@@ -591,6 +603,10 @@ static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block
 	if (b->device < 0) {
 		atomic_store_explicit((_Atomic uint32_t *)(b->ready_host + offset), seq,
 				      memory_order_release);
+	} else if (stream_capturing(stream)) {
+		return nc__fail(NC_EUNSUPPORTED,
+				"the stream is capturing a CUDA graph, and a normd job cannot be "
+				"captured: every replay would run the graph's kernels and skip the job");
 	} else if (nk_cuda_stream_signal_wait(stream, b->ready_gpu + offset, seq, done, seq) != 0 &&
 		   signal_wait_with_context(b, stream, b->ready_gpu + offset, done, seq) != 0) {
 		cudaGetLastError();

@@ -125,15 +125,18 @@ def check_stream_ordering():
 class CallCounter:
     """Counts the client's enqueued jobs and run_job calls (and run_job's event=True ones).
 
-    A job is enqueued through enqueue_job, or through _enqueue_device (what
-    normd.normalization uses: nc_job_enqueue_device).
+    A job is enqueued through enqueue_job, through _enqueue_device (the
+    Python path of normd.normalization: nc_job_enqueue_device), or by the
+    compiled eager operator (normd.eager, counted by its own counter).
     """
 
     def __init__(self, client):
         self.client = client
         self.enqueued = self.ran = self.events = 0
+        self.eager_before = self.eager = 0
 
     def __enter__(self):
+        self.eager_before = normd.eager.jobs()
         enqueue_job, run_job = self.client.enqueue_job, self.client.run_job
         enqueue_device = self.client._enqueue_device
 
@@ -157,6 +160,54 @@ class CallCounter:
     def __exit__(self, *exc):
         # Back to the class's methods.
         del self.client.enqueue_job, self.client.run_job, self.client._enqueue_device
+        self.eager = normd.eager.jobs() - self.eager_before
+        self.enqueued += self.eager
+
+
+def check_eager_path(daemon):
+    """The compiled eager operator: in use, its errors, a client closed before backward.
+
+    Fresh clients of their own, so that closing one leaves the default client alone.
+    """
+    if os.environ.get("NORMD_EAGER") == "0":
+        raise Skip("NORMD_EAGER=0")
+    assert normd.eager.norm_op() is not None, normd.eager.status()
+    x = (torch.randn(64, 512, device=DEVICE) * 3 + 1).to(torch.bfloat16).requires_grad_()
+    module = N.FusedRMSNorm(512, client=None).to(DEVICE, torch.bfloat16)
+    c = normd.Client(daemon.socket, name="eager-check")
+    try:
+        module.client = c
+        before = normd.eager.jobs()
+        y = module(x)
+        torch.cuda.synchronize()
+        c.check()
+        assert normd.eager.jobs() == before + 1, (before, normd.eager.jobs())
+        ref = F.rms_norm(x.double(), (512,), module.weight.double(), 1e-5)
+        assert torch.allclose(y.double(), ref, atol=2e-2, rtol=2e-2), (y.double() - ref).abs().max()
+        # A shape the operator leaves to the Python path: the Python path's error.
+        try:
+            N.fused_rms_norm(x, (256,), 1e-5)
+        except RuntimeError as e:
+            assert "expected input with shape [*, 256]" in str(e), e
+        else:
+            raise AssertionError("a wrong normalized_shape was accepted")
+        # The client closed between forward and backward: an error, never a dangling handle.
+        y = module(x)
+    finally:
+        c.close()
+    try:
+        y.backward(torch.ones_like(y))
+    except RuntimeError as e:
+        assert "client is closed" in str(e), e
+    else:
+        raise AssertionError("backward ran on a closed client")
+    # And a closed client's forward: NormdError, as on the Python path.
+    try:
+        module(x)
+    except normd.NormdError as e:
+        assert e.status == "INVALID_ARGUMENT" and "closed" in e.message, e
+    else:
+        raise AssertionError("forward ran on a closed client")
 
 
 def wait_jobs_ok(client, target, timeout=5.0):
@@ -198,6 +249,9 @@ def fwd_bwd_against_torch(client, mode, dtype):
         if mode == "enqueue":
             client.check()
             assert (calls.enqueued, calls.ran) == (2, 0), (name, calls.enqueued, calls.ran)
+            # Through the compiled operator unless NORMD_EAGER=0 keeps it off.
+            eager = 0 if os.environ.get("NORMD_EAGER") == "0" else 2
+            assert calls.eager == eager, (name, calls.eager, normd.eager.status())
         else:
             assert (calls.enqueued, calls.ran, calls.events) == \
                 (0, 2, 2 if mode == "event" else 0), (name, calls.enqueued, calls.ran)
@@ -488,6 +542,9 @@ def main(argv):
     # The default completion mode (enqueue) runs unless a check picks another.
     os.environ.pop("NORMD_COMPLETION", None)
     print("completion mode: %s (default)" % normd.completion_mode(), flush=True)
+    start = time.monotonic()
+    normd.eager.norm_op()  # built here (once per torch) rather than inside a timed check
+    print("%s (%.1f s)" % (normd.eager.status(), time.monotonic() - start), flush=True)
     runner = Runner()
     daemon = Daemon(build / "bin" / "normd", "0", log_level="info", start_timeout=60,
                     stop_timeout=30)
@@ -514,6 +571,7 @@ def main(argv):
         runner.run("autocast", check_autocast)
         runner.run("stream ordering", check_stream_ordering)
         runner.run("enqueue mode is the default", check_enqueue_is_default, client)
+        runner.run("compiled eager operator", check_eager_path, daemon)
         runner.run("sync mode (set_completion_mode)", check_other_mode, client, "sync", False)
         runner.run("sync mode (NORMD_COMPLETION=sync)", check_other_mode, client, "sync", True)
         runner.run("event mode (set_completion_mode)", check_other_mode, client, "event", False)

@@ -151,6 +151,8 @@ def as_cuda(monkeypatch, mode_env):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(fln, "_capturing", lambda: False)
     monkeypatch.setattr(fln, "_raw_stream", lambda index: 0x5EED)
+    # The Python path, whose library call the stand-in client records.
+    monkeypatch.setattr(fln, "_eager_op", False)
     return torch, fln
 
 

@@ -169,6 +169,21 @@ def check_override():
     ok("$NORMD_LIBRARY still overrides the bundled library")
 
 
+def check_eager_source(normd):
+    """The eager operator's source and the header it includes, as normd.eager finds them."""
+    from normd import eager
+
+    package = os.path.dirname(os.path.realpath(normd.__file__))
+    assert os.path.realpath(eager.SOURCE) == os.path.join(package, "csrc", "eager_norm.cpp")
+    assert os.path.isfile(eager.SOURCE), "the wheel has no csrc/eager_norm.cpp"
+    header = os.path.join(str(eager._header_dir()), "normclient.h")
+    assert os.path.realpath(header) == os.path.join(package, "csrc", "normclient.h"), header
+    with open(header, "rb") as got, open(os.path.join(REPO, "client", "include",
+                                                      "normclient.h"), "rb") as want:
+        assert got.read() == want.read(), "the wheel's normclient.h is not the tree's"
+    return header
+
+
 def main():
     check_isolation()
     import normd
@@ -176,6 +191,7 @@ def main():
     bundled = check_bundled_library(normd)
     ok("normd %s imported from the venv, library %s (no libprotobuf-c loaded)"
        % (normd.__version__, bundled))
+    ok("the eager operator's source and %s are in the package" % check_eager_source(normd))
     # In the caller's private folder (the current directory), which it removes.
     folder = os.path.abspath(tempfile.mkdtemp(prefix="normd-wheel.", dir="."))
     proc, sock = start_daemon(folder)

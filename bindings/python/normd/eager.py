@@ -174,6 +174,15 @@ def norm_op(host_tensors=False):
     return _state["op"]
 
 
+def jobs():
+    """Jobs the operator has enqueued in this process (0 while it is not loaded)."""
+    if not _state["op"]:
+        return 0
+    import torch
+
+    return int(torch.ops.normd_eager.jobs())
+
+
 def status():
     """One line: whether the compiled eager path is in use, and why not."""
     return "normd eager path: " + _state["why"]

@@ -40,6 +40,8 @@ using last_error_fn = const char *(*)(void);
 std::atomic<enqueue_device_fn> enqueue_device{nullptr};
 std::atomic<last_error_fn> last_error{nullptr};
 std::atomic<text_fn> status_name{nullptr};
+// Jobs this operator enqueued, for tests that check which path ran.
+std::atomic<int64_t> jobs_enqueued{0};
 // Host tensors pass for device ones (bench/bench_host_path.py's stub, no GPU).
 std::atomic<bool> accept_host{false};
 
@@ -118,6 +120,7 @@ void enqueue(int64_t handle, const Tensor &on, int op, uint64_t rows, uint64_t c
 	int rc = enqueue_device.load()(conn, &job, ptrs, current_stream(on));
 	if (rc)
 		library_error(rc);
+	jobs_enqueued.fetch_add(1, std::memory_order_relaxed);
 }
 
 // The shapes and dtypes normd.normalization's Python path accepts without
@@ -239,6 +242,11 @@ void bind(int64_t enqueue_device_addr, int64_t last_error_addr, int64_t status_n
 	status_name.store(reinterpret_cast<text_fn>(status_name_addr));
 }
 
+int64_t jobs()
+{
+	return jobs_enqueued.load(std::memory_order_relaxed);
+}
+
 void conn_opened(int64_t handle)
 {
 	std::lock_guard<std::mutex> hold(conns_lock);
@@ -260,6 +268,7 @@ TORCH_LIBRARY(normd_eager, m)
 	      &norm);
 	m.def("bind(int enqueue_device, int last_error, int status_name, bool host_tensors) -> ()",
 	      &bind);
+	m.def("jobs() -> int", &jobs);
 	m.def("conn_opened(int handle) -> ()", &conn_opened);
 	m.def("conn_closed(int handle) -> ()", &conn_closed);
 }

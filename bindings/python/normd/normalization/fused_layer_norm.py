@@ -617,9 +617,11 @@ def _run_eager(rms, input, weight, bias, shape, eps, memory_efficient, client):
         what = _eager.error(e)
         if what is None:
             raise
-        if what != "fallback":
-            raise what from None
-    return None
+        if what == "fallback":
+            return None
+        if what.message.startswith("the stream is capturing"):
+            what = NormdError(what.code, _CAPTURE_MESSAGE)
+        raise what from None
 
 
 def _apply(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):
