@@ -60,6 +60,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+# The enqueue rows use the compiled eager operator, the enqueue-python rows the
+# package's Python path (NORMD_EAGER=0 here puts both on the Python path).
+os.environ.setdefault("NORMD_EAGER", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "bindings" / "python"), str(REPO / "tests" / "python")]
 

@@ -97,6 +97,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The enqueue variants use the compiled eager operator, enqueue-python the
+# package's Python path (NORMD_EAGER=0 here puts both on the Python path).
+os.environ.setdefault("NORMD_EAGER", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "bindings" / "python"), str(REPO / "tests" / "python")]
 

@@ -25,13 +25,16 @@ done
 # The Python binding against PyTorch, where python3 has torch.
 if python3 -c "import torch" >/dev/null 2>&1; then
 	found=1
-	echo "== test_python.py"
-	if timeout "$timeout_s" python3 tests/gpu/test_python.py "$build"; then
-		echo "== test_python.py: ok"
-	else
-		echo "== test_python.py: FAILED (exit $?)"
-		status=1
-	fi
+	# The package's Python path, then the compiled eager operator (normd.eager).
+	for eager in 0 1; do
+		echo "== test_python.py (NORMD_EAGER=$eager)"
+		if NORMD_EAGER=$eager timeout "$timeout_s" python3 tests/gpu/test_python.py "$build"; then
+			echo "== test_python.py (NORMD_EAGER=$eager): ok"
+		else
+			echo "== test_python.py (NORMD_EAGER=$eager): FAILED (exit $?)"
+			status=1
+		fi
+	done
 	# A process under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True from its start (VMM regions).
 	echo "== test_vmm_torch.py"
 	if timeout "$timeout_s" python3 tests/gpu/test_vmm_torch.py "$build"; then

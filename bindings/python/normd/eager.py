@@ -18,8 +18,11 @@ headers). The build takes about 20-60 s once and is kept in
 under a key of the source, the header, torch's version and the compiler.
 ``python3 -m normd.eager`` builds it ahead of time and says where.
 
-Where it cannot be built or loaded, normd warns once and the Python path
-runs instead (``status()`` says why); ``NORMD_EAGER=0`` keeps it off.
+``NORMD_EAGER=1`` turns it on. It is off by default until it has passed
+the GPU tests (tests/gpu/run.sh runs test_python.py both ways; it was
+written in a session without GPU time). Where it cannot be built or
+loaded, normd warns once and the Python path runs instead (``status()``
+says why).
 Everything the operator does not take (other completion modes, mixed
 dtypes, CPU tensors, autocast, torch.compile, any argument the Python path
 would refuse or convert) goes to the Python path as before, which also
@@ -159,8 +162,8 @@ def norm_op(host_tensors=False):
     with _lock:
         if _state["tried"]:
             return _state["op"]
-        if os.environ.get("NORMD_EAGER", "1").strip() == "0":
-            _state["why"] = "off (NORMD_EAGER=0)"
+        if os.environ.get("NORMD_EAGER", "0").strip() != "1":
+            _state["why"] = "off (NORMD_EAGER=1 turns it on)"
         else:
             try:
                 _state["op"] = _load(host_tensors)

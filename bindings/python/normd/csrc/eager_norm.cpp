@@ -21,6 +21,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
 
 #include "normclient.h"
@@ -197,16 +198,36 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
 
 	static variable_list backward(AutogradContext *ctx, variable_list grads)
 	{
-		// Differentiable once, as apex's are: the daemon's backward builds no graph.
-		TORCH_CHECK(!(at::GradMode::is_enabled() && grads[0].requires_grad()),
-			    "normd's norms are differentiable once: their backward cannot be "
-			    "differentiated (create_graph=True)");
+		variable_list out = gradients(ctx, grads[0]);
+		// Differentiable once, as apex's are (Python's once_differentiable): with a
+		// graph asked for, the gradients lead to a node that raises if reached.
+		if (at::GradMode::is_enabled() && grads[0].requires_grad()) {
+			auto error = std::make_shared<torch::autograd::DelayedError>(
+				"trying to differentiate twice a function that was marked with "
+				"@once_differentiable (normd's norms are differentiable once)", 3);
+			variable_list leaves;
+			for (int i = 0; i < 3; i++)
+				leaves.push_back(out[i].defined() ? out[i].detach().requires_grad_(true)
+								  : Tensor());
+			variable_list wrapped = (*error)(std::move(leaves));
+			for (int i = 0; i < 3; i++)
+				out[i] = wrapped[i];
+		}
+		out.resize(8);
+		return out;
+	}
+
+      private:
+	// dx, dgamma, dbeta (those not asked for undefined), computed without a graph.
+	static variable_list gradients(AutogradContext *ctx, const Tensor &grad)
+	{
+		at::NoGradGuard no_graph;
 		const auto saved = ctx->get_saved_variables();
 		const Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
 		const Tensor &mean = saved[3], &invvar = saved[4];
 		const bool rms = ctx->saved_data["rms"].toBool();
 		const bool memory_efficient = ctx->saved_data["memory_efficient"].toBool();
-		Tensor dy = grads[0].contiguous();
+		Tensor dy = grad.contiguous();
 		if (dy.scalar_type() != x.scalar_type())
 			dy = dy.to(x.scalar_type());
 		const Tensor dx = at::empty(x.sizes(), x.options());
@@ -221,7 +242,7 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
 			ctx->saved_data["eps"].toDouble(), dtype_code(x.scalar_type()),
 			static_cast<int>(ctx->saved_data["weight_dtype"].toInt()),
 			memory_efficient ? static_cast<unsigned>(NC_MEMORY_EFFICIENT) : 0u, tensors);
-		return {dx, dgamma, dbeta, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+		return {dx, dgamma, dbeta};
 	}
 };
 

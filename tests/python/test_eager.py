@@ -1,0 +1,324 @@
+"""The compiled eager operator (normd.eager), without a GPU.
+
+What runs here: normd's operator built from bindings/python/normd/csrc
+against the installed torch, bound to a C recorder instead of
+nc_job_enqueue_device, on CPU tensors that pass for CUDA ones. Each call
+is made twice, through the operator and through the package's Python path
+(whose jobs the GPU tests check against float64), and the two must hand
+the library the same jobs: the same fields, and pointers that name the same
+tensors (the caller's input, parameters, output, gradients, or the same
+temporaries between forward and backward). Then the operator's errors:
+the library's refusals as NormdError, what it leaves to the Python path,
+a client closed before backward, a second derivative.
+
+Skipped without torch or a C++ compiler. The GPU side (the current stream,
+real jobs) is tests/gpu/test_python.py under NORMD_EAGER=1.
+"""
+
+import ctypes
+import importlib
+import os
+import shutil
+import struct
+import subprocess
+
+import pytest
+
+import normd
+from normd import NormdError, _lib
+
+torch = pytest.importorskip("torch")
+if not shutil.which(os.environ.get("CXX") or "c++"):
+    pytest.skip("no C++ compiler to build the operator", allow_module_level=True)
+
+from normd import eager  # noqa: E402
+from normd import normalization as N  # noqa: E402
+from normd.client import _EXPANDABLE_HINT  # noqa: E402
+
+fln = importlib.import_module("normd.normalization.fused_layer_norm")
+
+RECORDER = r"""
+#include <string.h>
+#include "normclient.h"
+#define MAX 64
+static struct nc_job jobs[MAX];
+static const void *ptrs[MAX][NC_JOB_TENSORS];
+static void *streams[MAX];
+static int count, fail_rc;
+static unsigned fail_ops;
+static char message[256];
+int rec_enqueue(nc_conn *conn, const struct nc_job *job, const void *const p[NC_JOB_TENSORS],
+		void *stream)
+{
+	(void)conn;
+	if (fail_rc && (fail_ops & (1u << job->op)))
+		return fail_rc;
+	if (count < MAX) {
+		jobs[count] = *job;
+		memcpy(ptrs[count], p, sizeof(ptrs[0]));
+		streams[count] = stream;
+	}
+	count++;
+	return 0;
+}
+const char *rec_last_error(void) { return message; }
+void rec_fail(int rc, unsigned ops, const char *why)
+{
+	fail_rc = rc;
+	fail_ops = ops;
+	strncpy(message, why, sizeof(message) - 1);
+}
+void rec_reset(void) { count = 0; fail_rc = 0; }
+int rec_count(void) { return count; }
+const struct nc_job *rec_job(int i) { return &jobs[i]; }
+const void *const *rec_ptrs(int i) { return ptrs[i]; }
+void *rec_stream(int i) { return streams[i]; }
+"""
+
+
+@pytest.fixture(scope="module")
+def recorder(tmp_path_factory):
+    """The recorder library (ctypes), compiled here."""
+    folder = tmp_path_factory.mktemp("eager")
+    src, lib = folder / "recorder.c", folder / "librecorder.so"
+    src.write_text(RECORDER)
+    header_dir = eager._header_dir()
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-I" + str(header_dir), "-o", str(lib),
+                    str(src)], check=True)
+    rec = ctypes.CDLL(str(lib))
+    rec.rec_job.restype = ctypes.POINTER(_lib.NcJob)
+    rec.rec_ptrs.restype = ctypes.POINTER(ctypes.c_void_p)
+    rec.rec_stream.restype = ctypes.c_void_p
+    rec.rec_fail.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_char_p]
+    return rec
+
+
+@pytest.fixture(scope="module")
+def operator(recorder):
+    """torch.ops.normd_eager, built for this torch and bound to the recorder."""
+    torch.ops.load_library(str(eager.build()))
+    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+    torch.ops.normd_eager.bind(address(recorder.rec_enqueue), address(recorder.rec_last_error),
+                               address(_lib.load().nc_status_name), True)
+    yield torch.ops.normd_eager.norm.default._op
+    lib = _lib.load()
+    torch.ops.normd_eager.bind(address(lib.nc_job_enqueue_device), address(lib.nc_last_error),
+                               address(lib.nc_status_name), False)
+
+
+@pytest.fixture
+def paths(operator, recorder, client, monkeypatch):
+    """run(use_operator, call): the call's jobs, and how many each path sent.
+
+    call(client) makes the call and returns a function giving its named
+    tensors (for the pointers' names); the functional forms use `client`
+    as the default client.
+    """
+    monkeypatch.delenv("NORMD_COMPLETION", raising=False)
+    old_mode = normd.set_completion_mode(None)
+    normd.set_default_client(client)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(fln, "_capturing", lambda: False)
+    monkeypatch.setattr(fln, "_raw_stream", lambda index: 0)  # the operator's host "stream"
+    python_calls = []
+    monkeypatch.setattr(client, "_enqueue_device", lambda job, ptrs, stream: python_calls.append(
+        (_job_fields(job), _unpack(ptrs), stream)))
+    recorder.rec_reset()
+
+    def run(use_operator, call):
+        monkeypatch.setattr(fln, "_eager_op", operator if use_operator else False)
+        recorder.rec_reset()
+        python_calls.clear()
+        named = call(client)
+        ours = [(_job_fields(recorder.rec_job(i).contents),
+                 tuple(recorder.rec_ptrs(i)[k] or 0 for k in range(_lib.JOB_TENSORS)),
+                 recorder.rec_stream(i) or 0) for i in range(recorder.rec_count())]
+        # Each call goes one way: the recorder's jobs, then the Python path's, is the order.
+        return _symbolic(ours + python_calls, named), len(ours), len(python_calls)
+
+    yield run
+    normd.set_default_client(None)
+    normd.set_completion_mode(old_mode)
+
+
+def _unpack(ptrs):
+    return struct.unpack("@%dP" % _lib.JOB_TENSORS, ptrs)
+
+
+def _job_fields(job):
+    return (int(job.op), job.rows, job.cols, round(job.eps, 9), int(job.dtype),
+            int(job.weight_dtype), job.flags)
+
+
+def _symbolic(jobs, named):
+    """Jobs with each pointer replaced by the name of the tensor it is, or its first use."""
+    by_ptr = {t.data_ptr(): name for name, t in named().items() if t is not None}
+    seen = {}
+    out = []
+    for i, (fields, ptrs, stream) in enumerate(jobs):
+        roles = []
+        for role, p in zip(_lib.TENSOR_ROLES, ptrs):
+            if not p:
+                roles.append(None)
+            elif p in by_ptr:
+                roles.append(by_ptr[p])
+            else:
+                roles.append(seen.setdefault(p, "job%d.%s" % (i, role)))
+        out.append((fields, tuple(roles), stream))
+    return out
+
+
+def _fwd_bwd(module_factory, x_factory, backward=True):
+    """A call: a module on a fresh input, forward and (optionally) backward."""
+
+    def call(client):
+        torch.manual_seed(7)
+        module = module_factory()
+        module.client = client
+        x = x_factory().requires_grad_()
+        y = module(x)
+        dy = torch.randn_like(y)
+        if backward:
+            y.backward(dy)
+        params = dict(module.named_parameters())
+        w, b = params.get("weight"), params.get("bias")
+        return lambda: {"input": x, "weight": w, "bias": b, "output": y, "dy": dy,
+                        "input.grad": x.grad, "weight.grad": None if w is None else w.grad,
+                        "bias.grad": None if b is None else b.grad}
+
+    return call
+
+
+CASES = {
+    "layernorm bf16": (lambda: N.FusedLayerNorm(64).to(torch.bfloat16),
+                       lambda: torch.randn(8, 64, dtype=torch.bfloat16)),
+    "rmsnorm bf16": (lambda: N.FusedRMSNorm(64).to(torch.bfloat16),
+                     lambda: torch.randn(8, 64, dtype=torch.bfloat16)),
+    "layernorm f32 no affine": (lambda: N.FusedLayerNorm(32, elementwise_affine=False),
+                                lambda: torch.randn(5, 32)),
+    "rmsnorm f16 no affine": (lambda: N.FusedRMSNorm(32, elementwise_affine=False).half(),
+                              lambda: torch.randn(5, 32).half()),
+    "layernorm f32 weights, bf16 input": (lambda: N.FusedLayerNorm(64),
+                                          lambda: torch.randn(4, 64, dtype=torch.bfloat16)),
+    "layernorm memory_efficient": (lambda: N.FusedLayerNorm(64, memory_efficient=True),
+                                   lambda: torch.randn(6, 64)),
+    "rmsnorm memory_efficient f16": (
+        lambda: N.FusedRMSNorm(64, memory_efficient=True).half(),
+        lambda: torch.randn(6, 64).half()),
+    "layernorm 2-d normalized shape": (lambda: N.FusedLayerNorm((4, 16)),
+                                       lambda: torch.randn(3, 4, 16)),
+    "rmsnorm non-contiguous input": (lambda: N.FusedRMSNorm(24),
+                                     lambda: torch.randn(24, 10).t()),
+    "mixed layernorm (Python path on both)": (
+        lambda: N.MixedFusedLayerNorm(64), lambda: torch.randn(4, 64, dtype=torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_operator_hands_the_library_what_the_python_path_does(paths, case):
+    module_factory, x_factory = CASES[case]
+    call = _fwd_bwd(module_factory, x_factory)
+    (ours, by_operator, _), (python, _, by_python) = paths(True, call), paths(False, call)
+    assert by_python == 2
+    if case.startswith("mixed"):
+        # Its float32 copy of the input is freed after forward, and the address
+        # may come back as the gradient's: the names below would not hold.
+        assert by_operator == 0
+        return
+    assert by_operator == 2
+    assert ours == python
+    (_, fwd_roles, _), (_, bwd_roles, _) = ours
+    assert fwd_roles[1] == "output"
+    if "non-contiguous" not in case:  # else autograd lays the gradient out like the input
+        assert bwd_roles[7] == "input.grad"
+
+
+def test_a_parameter_without_grad_gets_no_gradient_job_tensor(paths):
+    def factory():
+        m = N.FusedLayerNorm(32)
+        m.weight.requires_grad_(False)
+        return m
+
+    call = _fwd_bwd(factory, lambda: torch.randn(4, 32))
+    ours = paths(True, call)[0]
+    assert ours == paths(False, call)[0]
+    assert ours[1][1][8] is None and ours[1][1][9] == "bias.grad"  # dgamma absent, dbeta there
+
+
+def test_calls_the_operator_leaves_to_the_python_path_raise_its_errors(paths, client):
+    def wrong_shape(c):
+        N.fused_rms_norm(torch.randn(4, 32), (16,), 1e-5)
+
+    with pytest.raises(RuntimeError, match=r"expected input with shape \[\*, 16\]"):
+        paths(True, wrong_shape)
+
+    def bias_of_another_dtype(c):
+        N.fused_layer_norm_affine(torch.randn(4, 32), torch.ones(32), torch.zeros(32).double(),
+                                  (32,), 1e-5)
+
+    with pytest.raises(TypeError, match="bias must have the weight's dtype"):
+        paths(True, bias_of_another_dtype)
+
+
+def test_library_refusals_are_normd_errors(paths, recorder):
+    unsupported = _lib.STATUS_CODES["UNSUPPORTED"]
+    call = _fwd_bwd(lambda: N.FusedRMSNorm(32), lambda: torch.randn(4, 32), backward=False)
+    recorder_fail = recorder.rec_fail
+
+    def failing(message, ops):
+        def run(c):
+            recorder_fail(unsupported, ops, message)
+            return call(c)
+        return run
+
+    with pytest.raises(NormdError) as e:
+        paths(True, failing(b"tensor x: pointer 0x10 is not exportable", 1 << 3))
+    assert e.value.status == "UNSUPPORTED" and e.value.message.endswith(_EXPANDABLE_HINT)
+    with pytest.raises(NormdError) as e:
+        paths(True, failing(b"the stream is capturing a CUDA graph, and ...", 1 << 3))
+    assert e.value.message == fln._CAPTURE_MESSAGE
+    # From backward (the autograd engine's thread): a RuntimeError naming the status.
+    def failing_backward(c):
+        m = N.FusedRMSNorm(32)
+        m.client = c
+        y = m(torch.randn(4, 32, requires_grad=True))
+        recorder_fail(unsupported, 1 << 4, b"no backward")
+        y.sum().backward()
+
+    with pytest.raises(RuntimeError, match=r"normd error -\d+ \(UNSUPPORTED\): no backward"):
+        paths(True, failing_backward)
+
+
+def test_a_client_closed_between_forward_and_backward(operator, recorder, daemon, monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(fln, "_eager_op", operator)
+    monkeypatch.delenv("NORMD_COMPLETION", raising=False)
+    recorder.rec_reset()
+    c = normd.Client(daemon.socket, name="eager-closed")
+    m = N.FusedLayerNorm(16)
+    m.client = c
+    x = torch.randn(3, 16, requires_grad=True)
+    y = m(x)
+    assert recorder.rec_count() == 1
+    c.close()
+    with pytest.raises(RuntimeError, match="the client is closed"):
+        y.sum().backward()
+    with pytest.raises(NormdError, match="closed") as e:
+        m(x)
+    assert e.value.status == "INVALID_ARGUMENT"
+    assert recorder.rec_count() == 1
+
+
+@pytest.mark.parametrize("use_operator", [True, False])
+def test_differentiable_once_as_on_the_python_path(paths, use_operator):
+    def twice(c):
+        m = N.FusedRMSNorm(16)
+        m.client = c
+        x = torch.randn(3, 16, requires_grad=True)
+        # A graph through the gradient: first order works, the second raises.
+        (g,) = torch.autograd.grad((m(x) ** 2).sum(), x, create_graph=True)
+        assert g.requires_grad
+        g.sum().backward()
+
+    with pytest.raises(RuntimeError, match="differentiate twice a function"):
+        paths(use_operator, twice)
