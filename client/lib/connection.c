@@ -275,27 +275,39 @@ static int read_frame(nc_conn *conn, int64_t deadline, Normd__Envelope **out)
 			conn->in_buf = buf;
 			conn->in_cap += NC__READ_CHUNK;
 		}
-		if (spin_worthwhile(conn, deadline)) {
+		/*
+		 * A look without waiting (each enqueue makes one) is one recv, not poll
+		 * + recv; nc__poll_replies's none once a recv found less than it asked for.
+		 */
+		bool look = ms_left(deadline) == 0;
+		if (look && conn->polling && conn->drained)
+			return NC_ETIMEOUT;
+		if (!look && spin_worthwhile(conn, deadline)) {
 			if (spin_for_data(conn->fd, deadline)) {
 				conn->spin_misses = 0;
 				goto readable;
 			}
 			conn->spin_misses++;
 		}
-		struct pollfd pfd = {.fd = conn->fd, .events = POLLIN};
-		int ready = poll(&pfd, 1, ms_left(deadline));
-		if (ready < 0 && errno == EINTR)
-			continue;
-		if (ready == 0)
-			return NC_ETIMEOUT;
+		if (!look) {
+			struct pollfd pfd = {.fd = conn->fd, .events = POLLIN};
+			int ready = poll(&pfd, 1, ms_left(deadline));
+			if (ready < 0 && errno == EINTR)
+				continue;
+			if (ready == 0)
+				return NC_ETIMEOUT;
+		}
 readable:;
 		ssize_t n = recv(conn->fd, conn->in_buf + conn->in_len, conn->in_cap - conn->in_len,
 				 MSG_DONTWAIT);
+		if (n < 0 && errno == EAGAIN && look)
+			return NC_ETIMEOUT;
 		if (n < 0 && (errno == EAGAIN || errno == EINTR))
 			continue;
 		if (n <= 0)
 			return nc__fail(NC_EIO, "connection to normd lost: %s",
 					n == 0 ? "closed by the daemon" : strerror(errno));
+		conn->drained = (size_t)n < conn->in_cap - conn->in_len;
 		conn->in_len += (size_t)n;
 	}
 }
@@ -505,8 +517,11 @@ void nc__poll_replies(nc_conn *conn)
 {
 	pthread_mutex_lock(&conn->lock);
 	if (!conn->reader_active && !conn->broken) {
+		conn->polling = true;
+		conn->drained = false;
 		while (read_one_locked(conn, now_ms()) == 0)
 			;
+		conn->polling = false;
 	}
 	pthread_mutex_unlock(&conn->lock);
 }

@@ -66,6 +66,8 @@ struct nc_conn {
 	uint8_t *in_buf;             /* only the active reader touches these */
 	size_t in_len, in_cap;
 	unsigned spin_misses;        /* waits in a row that spinning did not shorten */
+	bool polling;                /* nc__poll_replies is reading what has arrived */
+	bool drained;                /* and a recv of it left the socket empty */
 	unsigned spin_skips;         /* waits that did not spin since the last that did */
 	struct nc_server_info info;
 	uint32_t norm_features;      /* HelloReply.norm_features (enum nc_norm_features) */
