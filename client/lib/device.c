@@ -435,6 +435,17 @@ NC_API int nc_job_enqueue_device(nc_conn *conn, const struct nc_job *job,
 {
 	if (!conn || !job || !ptrs)
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn, job and ptrs must not be NULL");
+	/*
+	 * Before the pointers, whose registration a capture would refuse. Only
+	 * with a device pointer is `stream` surely a CUDA stream (a job of host
+	 * regions names a CPU-backend key there).
+	 */
+	bool device_pointers = false;
+	for (int i = 0; i < NC_JOB_TENSORS; i++)
+		device_pointers |= ptrs[i] != NULL;
+	int refused = device_pointers ? nc__refuse_capture(stream) : 0;
+	if (refused)
+		return refused;
 	struct nc_job resolved = *job;
 	struct nc_tensor *fields[NC_JOB_TENSORS];
 	job_tensor_fields(&resolved, fields);

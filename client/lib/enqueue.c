@@ -580,16 +580,22 @@ static int signal_wait_with_context(struct nc__block *b, void *stream, void *rea
 	return rc;
 }
 
-/* Whether `stream` is capturing a CUDA graph (a query that fails says no: the stream
- * operations that follow fail and say why). */
-static bool stream_capturing(void *stream)
+/*
+ * NC_EUNSUPPORTED if the CUDA stream is capturing a graph, else 0 (a query
+ * that fails says no: the stream operations that follow fail and say why).
+ */
+int nc__refuse_capture(void *stream)
 {
 	enum cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
 	if (cudaStreamIsCapturing((cudaStream_t)stream, &status) != cudaSuccess) {
 		cudaGetLastError();
-		return false;
+		return 0;
 	}
-	return status != cudaStreamCaptureStatusNone;
+	if (status == cudaStreamCaptureStatusNone)
+		return 0;
+	return nc__fail(NC_EUNSUPPORTED,
+			"the stream is capturing a CUDA graph, and a normd job cannot be "
+			"captured: every replay would run the graph's kernels and skip the job");
 }
 
 /* Queues the stream side of one job and sends it; the enqueue lock is held. */
@@ -603,10 +609,8 @@ static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block
 	if (b->device < 0) {
 		atomic_store_explicit((_Atomic uint32_t *)(b->ready_host + offset), seq,
 				      memory_order_release);
-	} else if (stream_capturing(stream)) {
-		return nc__fail(NC_EUNSUPPORTED,
-				"the stream is capturing a CUDA graph, and a normd job cannot be "
-				"captured: every replay would run the graph's kernels and skip the job");
+	} else if (nc__refuse_capture(stream) != 0) {
+		return NC_EUNSUPPORTED;
 	} else if (nk_cuda_stream_signal_wait(stream, b->ready_gpu + offset, seq, done, seq) != 0 &&
 		   signal_wait_with_context(b, stream, b->ready_gpu + offset, done, seq) != 0) {
 		cudaGetLastError();

@@ -152,6 +152,8 @@ uint64_t nc__role_bytes(const struct nc_job *job, const struct nc_job_ext *ext, 
 
 /* The enqueue mode (enqueue.c). With conn->lock held: an enqueued job's reply arrived. */
 void nc__enqueue_answered(nc_conn *conn, const Normd__Envelope *env);
+/* NC_EUNSUPPORTED (with its message) if the CUDA stream is capturing a graph, else 0. */
+int nc__refuse_capture(void *stream);
 /* Reads whatever replies have arrived, without waiting. */
 void nc__poll_replies(nc_conn *conn);
 /* Waits until every enqueued job has been answered; 0 or NC_ETIMEOUT. */

@@ -238,8 +238,6 @@ def _run(client, op, rows, cols, eps, memory_efficient, weight_dtype, tensors):
     x = tensors[0]
     dtype = _DTYPE_CODES[x.dtype]
     if x.is_cuda:
-        if _capturing():
-            raise NormdError(STATUS_CODES["UNSUPPORTED"], _CAPTURE_MESSAGE)
         stream = _raw_stream(x.get_device())
         mode = completion_mode()
         if mode == "enqueue":
@@ -256,14 +254,27 @@ def _run(client, op, rows, cols, eps, memory_efficient, weight_dtype, tensors):
                 eps = 0.0 if eps is None else float(eps)
             job = norm_job(op, rows, cols, eps, dtype, int(weight_dtype or 0),
                            MEMORY_EFFICIENT if memory_efficient else 0)
-            client._enqueue_device(job, _pointers(*tensors), stream)
+            try:
+                # The library refuses a capturing stream itself (one query fewer here).
+                client._enqueue_device(job, _pointers(*tensors), stream)
+            except NormdError as e:
+                raise _worded(e) from None
         else:
+            if _capturing():
+                raise NormdError(STATUS_CODES["UNSUPPORTED"], _CAPTURE_MESSAGE)
             client.run(op, rows, cols, stream=stream, event=(mode == "event"),
                        **_job_args(eps, memory_efficient, weight_dtype, dtype),
                        **_by_role(tensors))
     else:
         _run_staged(client, op, rows, cols, _job_args(eps, memory_efficient, weight_dtype, dtype),
                     _by_role(tensors), _OUTPUTS[op])
+
+
+def _worded(error):
+    """The library's refusal of a capturing stream in PyTorch's words (others unchanged)."""
+    if error.message.startswith("the stream is capturing"):
+        return NormdError(error.code, _CAPTURE_MESSAGE)
+    return error
 
 
 def _pointers(x, y, mean, rstd, gamma, beta, dy, dx, dgamma, dbeta):
@@ -619,9 +630,7 @@ def _run_eager(rms, input, weight, bias, shape, eps, memory_efficient, client):
             raise
         if what == "fallback":
             return None
-        if what.message.startswith("the stream is capturing"):
-            what = NormdError(what.code, _CAPTURE_MESSAGE)
-        raise what from None
+        raise _worded(what) from None
 
 
 def _apply(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):
