@@ -163,6 +163,9 @@ Plan plan(const Tensor &input, const Tensor &weight, const Tensor &bias, c10::In
 	return p;
 }
 
+// The forward's ints a backward needs, in ctx->saved_data["job"].
+enum { JOB_ROWS, JOB_COLS, JOB_RMS, JOB_MEMORY_EFFICIENT, JOB_WEIGHT_DTYPE, JOB_HANDLE };
+
 class NormFunction : public torch::autograd::Function<NormFunction> {
       public:
 	// Absent parameters are empty optionals: autograd takes no undefined inputs.
@@ -177,8 +180,9 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
 		const Tensor x = input.contiguous();
 		const auto stats = x.options().dtype(at::kFloat);
 		const Tensor y = at::empty(x.sizes(), x.options());
-		const Tensor mean = rms ? Tensor() : at::empty({static_cast<int64_t>(p.rows)}, stats);
-		const Tensor invvar = at::empty({static_cast<int64_t>(p.rows)}, stats);
+		const int64_t rows = static_cast<int64_t>(p.rows);
+		const Tensor mean = rms ? Tensor() : at::empty({rows}, stats);
+		const Tensor invvar = at::empty({rows}, stats);
 		const Tensor tensors[10] = {x, y, mean, invvar, weight, bias, {}, {}, {}, {}};
 		enqueue(handle, x, rms ? NC_RMSNORM_FWD : NC_LAYERNORM_FWD, p.rows, p.cols, eps,
 			p.dtype, p.weight_dtype, 0, tensors);
@@ -186,13 +190,11 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
 		// parameters, LayerNorm's mean (not with memory_efficient), invvar.
 		ctx->save_for_backward({memory_efficient ? y : x, weight, bias,
 					memory_efficient ? Tensor() : mean, invvar});
-		ctx->saved_data["rows"] = static_cast<int64_t>(p.rows);
-		ctx->saved_data["cols"] = static_cast<int64_t>(p.cols);
+		// Two entries rather than seven: each is a string-keyed insert.
+		ctx->saved_data["job"] = std::vector<int64_t>{
+			rows, static_cast<int64_t>(p.cols), rms, memory_efficient, p.weight_dtype,
+			handle};
 		ctx->saved_data["eps"] = eps;
-		ctx->saved_data["rms"] = rms;
-		ctx->saved_data["memory_efficient"] = memory_efficient;
-		ctx->saved_data["weight_dtype"] = static_cast<int64_t>(p.weight_dtype);
-		ctx->saved_data["handle"] = handle;
 		return y;
 	}
 
@@ -225,8 +227,8 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
 		const auto saved = ctx->get_saved_variables();
 		const Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
 		const Tensor &mean = saved[3], &invvar = saved[4];
-		const bool rms = ctx->saved_data["rms"].toBool();
-		const bool memory_efficient = ctx->saved_data["memory_efficient"].toBool();
+		const auto job = ctx->saved_data["job"].toIntVector();
+		const bool rms = job[JOB_RMS] != 0, memory_efficient = job[JOB_MEMORY_EFFICIENT] != 0;
 		Tensor dy = grad.contiguous();
 		if (dy.scalar_type() != x.scalar_type())
 			dy = dy.to(x.scalar_type());
@@ -236,11 +238,10 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
 		const Tensor dbeta = bias.defined() && ctx->needs_input_grad(2)
 					     ? at::empty_like(bias) : Tensor();
 		const Tensor tensors[10] = {x, {}, mean, invvar, weight, bias, dy, dx, dgamma, dbeta};
-		enqueue(ctx->saved_data["handle"].toInt(), x, rms ? NC_RMSNORM_BWD : NC_LAYERNORM_BWD,
-			static_cast<uint64_t>(ctx->saved_data["rows"].toInt()),
-			static_cast<uint64_t>(ctx->saved_data["cols"].toInt()),
+		enqueue(job[JOB_HANDLE], x, rms ? NC_RMSNORM_BWD : NC_LAYERNORM_BWD,
+			static_cast<uint64_t>(job[JOB_ROWS]), static_cast<uint64_t>(job[JOB_COLS]),
 			ctx->saved_data["eps"].toDouble(), dtype_code(x.scalar_type()),
-			static_cast<int>(ctx->saved_data["weight_dtype"].toInt()),
+			static_cast<int>(job[JOB_WEIGHT_DTYPE]),
 			memory_efficient ? static_cast<unsigned>(NC_MEMORY_EFFICIENT) : 0u, tensors);
 		return {dx, dgamma, dbeta};
 	}
