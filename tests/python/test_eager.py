@@ -44,19 +44,20 @@ RECORDER = r"""
 static struct nc_job jobs[MAX];
 static const void *ptrs[MAX][NC_JOB_TENSORS];
 static void *streams[MAX];
+static nc_conn *conns[MAX];
 static int count, fail_rc;
 static unsigned fail_ops;
 static char message[256];
 int rec_enqueue(nc_conn *conn, const struct nc_job *job, const void *const p[NC_JOB_TENSORS],
 		void *stream)
 {
-	(void)conn;
 	if (fail_rc && (fail_ops & (1u << job->op)))
 		return fail_rc;
 	if (count < MAX) {
 		jobs[count] = *job;
 		memcpy(ptrs[count], p, sizeof(ptrs[0]));
 		streams[count] = stream;
+		conns[count] = conn;
 	}
 	count++;
 	return 0;
@@ -73,6 +74,7 @@ int rec_count(void) { return count; }
 const struct nc_job *rec_job(int i) { return &jobs[i]; }
 const void *const *rec_ptrs(int i) { return ptrs[i]; }
 void *rec_stream(int i) { return streams[i]; }
+void *rec_conn(int i) { return conns[i]; }
 """
 
 
@@ -89,6 +91,7 @@ def recorder(tmp_path_factory):
     rec.rec_job.restype = ctypes.POINTER(_lib.NcJob)
     rec.rec_ptrs.restype = ctypes.POINTER(ctypes.c_void_p)
     rec.rec_stream.restype = ctypes.c_void_p
+    rec.rec_conn.restype = ctypes.c_void_p
     rec.rec_fail.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_char_p]
     return rec
 
@@ -322,3 +325,122 @@ def test_differentiable_once_as_on_the_python_path(paths, use_operator):
 
     with pytest.raises(RuntimeError, match="differentiate twice a function"):
         paths(use_operator, twice)
+
+
+# ---- the C++ kernels of the torch.library ops (what torch.compile calls) ------------------
+
+
+@pytest.fixture
+def ops_paths(operator, recorder, client, monkeypatch):
+    """run(use_kernels, call): the jobs of a call through the ops' C++ kernels or their Python.
+
+    The kernels learn a client's key from the Python implementation's first
+    call, so a call through them is made twice and the second one counts.
+    """
+    from normd import client as client_module
+
+    monkeypatch.delenv("NORMD_COMPLETION", raising=False)
+    old_mode = normd.set_completion_mode(None)
+    monkeypatch.setitem(eager._state, "op", operator)
+    monkeypatch.setitem(eager._state, "tried", True)
+    monkeypatch.setattr(client_module, "_eager_listener", eager._listener)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(fln, "_raw_stream", lambda index: 0)
+    monkeypatch.setattr(fln, "_capturing", lambda: False)
+    python_calls = []
+    monkeypatch.setattr(client, "_enqueue_device", lambda job, ptrs, stream: python_calls.append(
+        (_job_fields(job), _unpack(ptrs), stream)))
+    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+
+    def run(use_kernels, call):
+        torch.ops.normd_eager.bind(address(recorder.rec_enqueue),
+                                   address(recorder.rec_last_error),
+                                   address(_lib.load().nc_status_name), use_kernels)
+        if use_kernels:
+            call(client)  # the Python implementation tells the kernels the client's key
+        recorder.rec_reset()
+        python_calls.clear()
+        named = call(client)
+        ours = [(_job_fields(recorder.rec_job(i).contents),
+                 tuple(recorder.rec_ptrs(i)[k] or 0 for k in range(_lib.JOB_TENSORS)),
+                 recorder.rec_stream(i) or 0) for i in range(recorder.rec_count())]
+        return _symbolic(ours + python_calls, named), len(ours), len(python_calls)
+
+    yield run
+    torch.ops.normd_eager.client_key(client._key, 0)
+    torch.ops.normd_eager.bind(address(recorder.rec_enqueue), address(recorder.rec_last_error),
+                               address(_lib.load().nc_status_name), True)
+    normd.set_completion_mode(old_mode)
+
+
+def _through_ops(rms, memory_efficient, weight_dtype=None, dtype=torch.float32):
+    from normd.normalization import custom_ops
+
+    def call(client):
+        torch.manual_seed(5)
+        x = torch.randn(6, 64).to(dtype).requires_grad_()
+        w = torch.randn(64).to(weight_dtype or dtype).requires_grad_()
+        b = None if rms else torch.randn(64).to(weight_dtype or dtype).requires_grad_()
+        y = custom_ops.norm(rms, False, x, w, b, (64,), 1e-5, memory_efficient, client)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        return lambda: {"input": x, "weight": w, "bias": b, "output": y, "dy": dy,
+                        "input.grad": x.grad, "weight.grad": w.grad,
+                        "bias.grad": None if b is None else b.grad}
+
+    return call
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["", "memory_efficient"])
+@pytest.mark.parametrize("weights", ["same", "float32"])
+def test_the_ops_kernels_hand_the_library_what_their_python_does(ops_paths, rms,
+                                                                 memory_efficient, weights):
+    call = _through_ops(rms, memory_efficient, torch.float32 if weights == "float32" else None,
+                        torch.bfloat16)
+    ours, by_kernels, _ = ops_paths(True, call)
+    python, _, by_python = ops_paths(False, call)
+    assert (by_kernels, by_python) == (2, 2)
+    assert ours == python
+
+
+def test_the_ops_kernels_leave_other_modes_to_python(ops_paths, client, monkeypatch):
+    ran = []
+    monkeypatch.setattr(client, "run", lambda *a, **k: ran.append(a[0]))
+    normd.set_completion_mode("sync")
+    ops_paths(True, _through_ops(True, False))  # two calls: all four jobs through Python
+    assert ran == [normd.Op.RMSNORM_FWD, normd.Op.RMSNORM_BWD] * 2
+    ran.clear()
+    normd.set_completion_mode(None)
+    monkeypatch.setenv("NORMD_COMPLETION", " Event ")
+    _, by_kernels, _ = ops_paths(True, _through_ops(False, False))
+    assert by_kernels == 0 and len(ran) == 4
+    monkeypatch.setenv("NORMD_COMPLETION", "ENQUEUE")
+    _, by_kernels, _ = ops_paths(True, _through_ops(False, False))
+    assert by_kernels == 2
+
+
+def test_the_ops_kernels_follow_the_default_client(ops_paths, recorder, daemon, client):
+    """Key 0 names whichever client is the default now, never one set aside."""
+    other = normd.Client(daemon.socket, name="eager-other")
+    try:
+        normd.set_default_client(client)
+        call = _through_ops(True, False)
+
+        def through_default(c):
+            return call(None)
+
+        _, by_kernels, _ = ops_paths(True, through_default)
+        assert by_kernels == 2
+        assert {recorder.rec_conn(i) for i in range(2)} == {client._conn.handle}
+        normd.set_default_client(other)  # the kernels forget key 0 until Python tells them
+        other_calls = []
+        other._enqueue_device = lambda job, ptrs, stream: other_calls.append(job)
+        assert ops_paths(True, through_default)[1] == 2
+        # The warm-up's forward went through Python, to `other`, which told the
+        # kernels key 0; its backward and the counted call ran in C++ on `other`.
+        assert len(other_calls) == 1
+        assert {recorder.rec_conn(i) for i in range(2)} == {other._conn.handle}
+    finally:
+        normd.set_default_client(None)
+        other.close()

@@ -796,7 +796,14 @@ def set_completion_mode(mode):
     global _completion
     old, _completion = _completion, (None if mode is None
                                      else _checked_mode(mode, "completion mode"))
+    if _eager_listener is not None:
+        _eager_listener("mode", _completion)
     return old
+
+
+#: normd.eager's, once its operator is loaded: told of a new completion-mode
+#: setting ("mode", the mode or None) and of a new default client ("default", None).
+_eager_listener = None
 
 
 # ---- clients by key (normd.normalization's torch.library ops) --------------------
@@ -836,6 +843,8 @@ def default_client():
     with _default_lock:
         if _default is None or _default.closed or _default._conn.pid != _pid:
             _default = Client(name="python-default:%d" % _pid)
+            if _eager_listener is not None:
+                _eager_listener("default", None)
         return _default
 
 
@@ -844,4 +853,6 @@ def set_default_client(client):
     global _default
     with _default_lock:
         old, _default = _default, client
+        if _eager_listener is not None:
+            _eager_listener("default", None)
         return old

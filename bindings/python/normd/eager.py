@@ -18,6 +18,11 @@ headers). The build takes about 20-60 s once and is kept in
 under a key of the source, the header, torch's version and the compiler.
 ``python3 -m normd.eager`` builds it ahead of time and says where.
 
+The same file gives normd's torch.library ops (normalization/custom_ops.py,
+what torch.compile calls) C++ kernels for CUDA tensors, which run the
+enqueue mode's common case and hand every other call to the ops' Python
+implementation.
+
 ``NORMD_EAGER=1`` turns it on. It is off by default until it has passed
 the GPU tests (tests/gpu/run.sh runs test_python.py both ways; it was
 written in a session without GPU time). Where it cannot be built or
@@ -147,8 +152,34 @@ def _load(host_tensors=False):
                                _address(lib.nc_last_error), _address(lib.nc_status_name),
                                host_tensors)
     _state["path"] = path
+    from . import client
+
+    client._eager_listener = _listener
+    _listener("mode", client._completion)
     # The overload's C++ callable: OpOverload.__call__ is one Python frame more.
     return torch.ops.normd_eager.norm.default._op
+
+
+def _listener(what, value):
+    """What normd.client tells the operator (its kernels of the torch.library ops)."""
+    import torch
+
+    if what == "mode":
+        torch.ops.normd_eager.completion_mode(value or "")
+    elif what == "default":
+        torch.ops.normd_eager.client_key(0, 0)  # relearned from the next Python call
+
+
+def loaded():
+    """Whether the operator is loaded (and its kernels of the torch.library ops registered)."""
+    return bool(_state["op"])
+
+
+def bind_key(key, client):
+    """Tells the operator's kernels which connection a client key (0: the default) names."""
+    import torch
+
+    torch.ops.normd_eager.client_key(int(key or 0), conn_key(client._conn))
 
 
 def norm_op(host_tensors=False):

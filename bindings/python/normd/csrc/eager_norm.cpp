@@ -11,6 +11,9 @@
 //                                 (it raises the Python path's own errors);
 //   "normd error CODE (NAME): message"   the library refused the job.
 #include <atomic>
+#include <cctype>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -102,9 +105,17 @@ void *current_stream(const Tensor &t)
 	return impl->getStream(t.device()).native_handle();
 }
 
-// One job through the library; `t` in struct nc_job's role order.
+// Thrown where this file leaves a call to the Python implementation.
+struct Fallback {
+	const char *why;
+};
+
+// One job through the library; `t` in struct nc_job's role order. The
+// library's refusal of a capturing stream is a Fallback where the caller can
+// hand the call to Python (which words it for PyTorch users).
 void enqueue(int64_t handle, const Tensor &on, int op, uint64_t rows, uint64_t cols, double eps,
-	     int dtype, int weight_dtype, unsigned flags, const Tensor (&t)[10])
+	     int dtype, int weight_dtype, unsigned flags, const Tensor (&t)[10],
+	     bool capture_falls_back)
 {
 	nc_conn *conn = live_conn(handle);
 	struct nc_job job = {};
@@ -119,6 +130,12 @@ void enqueue(int64_t handle, const Tensor &on, int op, uint64_t rows, uint64_t c
 	for (int i = 0; i < 10; i++)
 		ptrs[i] = ptr_or_null(t[i]);
 	int rc = enqueue_device.load()(conn, &job, ptrs, current_stream(on));
+	if (rc && capture_falls_back && rc == NC_EUNSUPPORTED) {
+		static const char capturing[] = "the stream is capturing";
+		const char *message = last_error.load()();
+		if (message && strncmp(message, capturing, sizeof(capturing) - 1) == 0)
+			throw Fallback{"the stream is capturing a CUDA graph"};
+	}
 	if (rc)
 		library_error(rc);
 	jobs_enqueued.fetch_add(1, std::memory_order_relaxed);
@@ -129,7 +146,7 @@ void enqueue(int64_t handle, const Tensor &on, int op, uint64_t rows, uint64_t c
 void check_param(const Tensor &p, const Tensor &input, c10::IntArrayRef shape)
 {
 	if (p.defined() && (p.sizes() != shape || p.device() != input.device()))
-		fallback("a parameter's shape or device");
+		throw Fallback{"a parameter's shape or device"};
 }
 
 struct Plan {
@@ -137,23 +154,24 @@ struct Plan {
 	int dtype, weight_dtype;
 };
 
+// `dtype` is the input's (the backward's saved tensor may be its output).
 Plan plan(const Tensor &input, const Tensor &weight, const Tensor &bias, c10::IntArrayRef shape)
 {
 	Plan p{};
 	p.dtype = dtype_code(input.scalar_type());
 	if (!p.dtype || !(input.is_cuda() || accept_host.load()) || input.numel() == 0)
-		fallback("not a CUDA tensor normd computes on");
+		throw Fallback{"not a CUDA tensor normd computes on"};
 	const size_t n = shape.size();
 	const auto dims = input.sizes();
 	if (n == 0 || dims.size() < n || dims.slice(dims.size() - n) != shape)
-		fallback("normalized_shape does not fit the input");
+		throw Fallback{"normalized_shape does not fit the input"};
 	check_param(weight, input, shape);
 	check_param(bias, input, shape);
 	if (bias.defined() && (!weight.defined() || bias.scalar_type() != weight.scalar_type()))
-		fallback("bias without weight, or of another dtype");
+		throw Fallback{"bias without weight, or of another dtype"};
 	if (weight.defined() && weight.scalar_type() != input.scalar_type()) {
 		if (weight.scalar_type() != at::kFloat)
-			fallback("weights of another dtype than the input's or float32");
+			throw Fallback{"weights of another dtype than the input's or float32"};
 		p.weight_dtype = NC_F32;
 	}
 	p.cols = 1;
@@ -163,6 +181,59 @@ Plan plan(const Tensor &input, const Tensor &weight, const Tensor &bias, c10::In
 	return p;
 }
 
+// A forward job: x (input made contiguous), y, LayerNorm's mean, invvar.
+struct Forward {
+	Plan p;
+	Tensor x, weight, bias, y, mean, invvar;
+};
+
+Forward run_forward(const Tensor &input, const Tensor &weight_in, const Tensor &bias_in,
+		    c10::IntArrayRef shape, double eps, bool rms, int64_t handle,
+		    bool capture_falls_back)
+{
+	Forward f;
+	f.weight = weight_in.defined() ? weight_in.contiguous() : Tensor();
+	f.bias = bias_in.defined() ? bias_in.contiguous() : Tensor();
+	f.p = plan(input, f.weight, f.bias, shape);
+	f.x = input.contiguous();
+	const auto stats = f.x.options().dtype(at::kFloat);
+	const int64_t rows = static_cast<int64_t>(f.p.rows);
+	f.y = at::empty(f.x.sizes(), f.x.options());
+	f.mean = rms ? Tensor() : at::empty({rows}, stats);
+	f.invvar = at::empty({rows}, stats);
+	const Tensor tensors[10] = {f.x, f.y, f.mean, f.invvar, f.weight, f.bias, {}, {}, {}, {}};
+	enqueue(handle, f.x, rms ? NC_RMSNORM_FWD : NC_LAYERNORM_FWD, f.p.rows, f.p.cols, eps,
+		f.p.dtype, f.p.weight_dtype, 0, tensors, capture_falls_back);
+	return f;
+}
+
+// A backward job's outputs: dx, and dgamma / dbeta where asked for (else undefined).
+struct Backward {
+	Tensor dx, dgamma, dbeta;
+};
+
+Backward run_backward(const Tensor &grad, const Tensor &x, const Tensor &weight,
+		      const Tensor &bias, const Tensor &mean, const Tensor &invvar, uint64_t rows,
+		      uint64_t cols, double eps, bool rms, bool memory_efficient, int weight_dtype,
+		      bool want_dgamma, bool want_dbeta, int64_t handle, bool capture_falls_back)
+{
+	Tensor dy = grad.contiguous();
+	if (dy.scalar_type() != x.scalar_type())
+		dy = dy.to(x.scalar_type());
+	Backward b;
+	b.dx = at::empty(x.sizes(), x.options());
+	b.dgamma = weight.defined() && want_dgamma ? at::empty_like(weight) : Tensor();
+	b.dbeta = bias.defined() && want_dbeta ? at::empty_like(bias) : Tensor();
+	const Tensor tensors[10] = {x, {}, mean, invvar, weight, bias, dy, b.dx, b.dgamma, b.dbeta};
+	enqueue(handle, x, rms ? NC_RMSNORM_BWD : NC_LAYERNORM_BWD, rows, cols, eps,
+		dtype_code(x.scalar_type()), weight_dtype,
+		memory_efficient ? static_cast<unsigned>(NC_MEMORY_EFFICIENT) : 0u, tensors,
+		capture_falls_back);
+	return b;
+}
+
+// ---- the eager operator: normd_eager::norm, its autograd in C++ ----
+
 // The forward's ints a backward needs, in ctx->saved_data["job"].
 enum { JOB_ROWS, JOB_COLS, JOB_RMS, JOB_MEMORY_EFFICIENT, JOB_WEIGHT_DTYPE, JOB_HANDLE };
 
@@ -170,32 +241,27 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
       public:
 	// Absent parameters are empty optionals: autograd takes no undefined inputs.
 	static Tensor forward(AutogradContext *ctx, const Tensor &input,
-			      const std::optional<Tensor> &weight_in,
-			      const std::optional<Tensor> &bias_in, c10::IntArrayRef shape,
-			      double eps, bool rms, bool memory_efficient, int64_t handle)
+			      const std::optional<Tensor> &weight, const std::optional<Tensor> &bias,
+			      c10::IntArrayRef shape, double eps, bool rms, bool memory_efficient,
+			      int64_t handle)
 	{
-		const Tensor weight = weight_in ? weight_in->contiguous() : Tensor();
-		const Tensor bias = bias_in ? bias_in->contiguous() : Tensor();
-		const Plan p = plan(input, weight, bias, shape);
-		const Tensor x = input.contiguous();
-		const auto stats = x.options().dtype(at::kFloat);
-		const Tensor y = at::empty(x.sizes(), x.options());
-		const int64_t rows = static_cast<int64_t>(p.rows);
-		const Tensor mean = rms ? Tensor() : at::empty({rows}, stats);
-		const Tensor invvar = at::empty({rows}, stats);
-		const Tensor tensors[10] = {x, y, mean, invvar, weight, bias, {}, {}, {}, {}};
-		enqueue(handle, x, rms ? NC_RMSNORM_FWD : NC_LAYERNORM_FWD, p.rows, p.cols, eps,
-			p.dtype, p.weight_dtype, 0, tensors);
+		Forward f;
+		try {
+			f = run_forward(input, weight ? *weight : Tensor(), bias ? *bias : Tensor(),
+					shape, eps, rms, handle, false);
+		} catch (const Fallback &why) {
+			fallback(why.why);
+		}
 		// What apex saves: the input (the output with memory_efficient), the
 		// parameters, LayerNorm's mean (not with memory_efficient), invvar.
-		ctx->save_for_backward({memory_efficient ? y : x, weight, bias,
-					memory_efficient ? Tensor() : mean, invvar});
+		ctx->save_for_backward({memory_efficient ? f.y : f.x, f.weight, f.bias,
+					memory_efficient ? Tensor() : f.mean, f.invvar});
 		// Two entries rather than seven: each is a string-keyed insert.
 		ctx->saved_data["job"] = std::vector<int64_t>{
-			rows, static_cast<int64_t>(p.cols), rms, memory_efficient, p.weight_dtype,
-			handle};
+			static_cast<int64_t>(f.p.rows), static_cast<int64_t>(f.p.cols), rms,
+			memory_efficient, f.p.weight_dtype, handle};
 		ctx->saved_data["eps"] = eps;
-		return y;
+		return f.y;
 	}
 
 	static variable_list backward(AutogradContext *ctx, variable_list grads)
@@ -225,25 +291,18 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
 	{
 		at::NoGradGuard no_graph;
 		const auto saved = ctx->get_saved_variables();
-		const Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
-		const Tensor &mean = saved[3], &invvar = saved[4];
 		const auto job = ctx->saved_data["job"].toIntVector();
-		const bool rms = job[JOB_RMS] != 0, memory_efficient = job[JOB_MEMORY_EFFICIENT] != 0;
-		Tensor dy = grad.contiguous();
-		if (dy.scalar_type() != x.scalar_type())
-			dy = dy.to(x.scalar_type());
-		const Tensor dx = at::empty(x.sizes(), x.options());
-		const Tensor dgamma = weight.defined() && ctx->needs_input_grad(1)
-					      ? at::empty_like(weight) : Tensor();
-		const Tensor dbeta = bias.defined() && ctx->needs_input_grad(2)
-					     ? at::empty_like(bias) : Tensor();
-		const Tensor tensors[10] = {x, {}, mean, invvar, weight, bias, dy, dx, dgamma, dbeta};
-		enqueue(job[JOB_HANDLE], x, rms ? NC_RMSNORM_BWD : NC_LAYERNORM_BWD,
-			static_cast<uint64_t>(job[JOB_ROWS]), static_cast<uint64_t>(job[JOB_COLS]),
-			ctx->saved_data["eps"].toDouble(), dtype_code(x.scalar_type()),
-			static_cast<int>(job[JOB_WEIGHT_DTYPE]),
-			memory_efficient ? static_cast<unsigned>(NC_MEMORY_EFFICIENT) : 0u, tensors);
-		return {dx, dgamma, dbeta};
+		// needs_input_grad counts the inputs that are tensors: ask only of those.
+		const bool want_dgamma = saved[1].defined() && ctx->needs_input_grad(1);
+		const bool want_dbeta = saved[2].defined() && ctx->needs_input_grad(2);
+		Backward b = run_backward(grad, saved[0], saved[1], saved[2], saved[3], saved[4],
+					  static_cast<uint64_t>(job[JOB_ROWS]),
+					  static_cast<uint64_t>(job[JOB_COLS]),
+					  ctx->saved_data["eps"].toDouble(), job[JOB_RMS] != 0,
+					  job[JOB_MEMORY_EFFICIENT] != 0,
+					  static_cast<int>(job[JOB_WEIGHT_DTYPE]), want_dgamma, want_dbeta,
+					  job[JOB_HANDLE], false);
+		return {b.dx, b.dgamma, b.dbeta};
 	}
 };
 
@@ -254,6 +313,160 @@ Tensor norm(const Tensor &input, const std::optional<Tensor> &weight,
 	return NormFunction::apply(input, weight, bias, normalized_shape, eps, rms, memory_efficient,
 				   handle);
 }
+
+// ---- the kernels of normd.normalization's torch.library ops ----
+//
+// Under torch.compile the modules call normd::{layer,rms}_norm_{fwd,bwd}
+// (normalization/custom_ops.py: schemas, fake implementations, autograd, and
+// the Python implementation as the CompositeExplicitAutograd kernel). The
+// kernels here, for CUDA (and host tensors under the stub), run the enqueue
+// mode's common case in C++ and hand every other call, untouched, to that
+// Python implementation: another completion mode, a client key Python has
+// not told us, the mixed forms' float32 copies, arguments it would refuse.
+
+// set_completion_mode() as Python last told it: -1 none ($NORMD_COMPLETION
+// decides), 0 the enqueue mode, 1 another.
+std::atomic<int> mode_setting{-1};
+// Client keys (0: the default client) -> connection handles, under conns_lock.
+std::unordered_map<int64_t, int64_t> client_keys;
+
+bool enqueue_mode()
+{
+	const int setting = mode_setting.load(std::memory_order_relaxed);
+	if (setting >= 0)
+		return setting == 0;
+	const char *env = getenv("NORMD_COMPLETION");
+	if (!env)
+		return true;
+	std::string mode;
+	for (const char *c = env; *c; c++)
+		if (!isspace(static_cast<unsigned char>(*c)))
+			mode.push_back(static_cast<char>(tolower(static_cast<unsigned char>(*c))));
+	return mode.empty() || mode == "enqueue";
+}
+
+// The handle of the client a key names, or 0 where the Python kernel must run.
+int64_t compiled_handle(int64_t key)
+{
+	if (!enqueue_mode())
+		return 0;
+	std::lock_guard<std::mutex> hold(conns_lock);
+	auto k = client_keys.find(key);
+	if (k == client_keys.end())
+		return 0;
+	auto c = conns.find(k->second);
+	return c != conns.end() && c->second == getpid() ? k->second : 0;
+}
+
+void python_kernel(const c10::OperatorHandle &op, torch::jit::Stack *stack)
+{
+	c10::Dispatcher::singleton().callBoxedForDispatchKey(
+		op, c10::DispatchKey::CompositeExplicitAutograd, stack);
+}
+
+Tensor optional_tensor(const c10::IValue &v)
+{
+	return v.isNone() ? Tensor() : v.toTensor();
+}
+
+std::vector<int64_t> int_list(const c10::IValue &v)
+{
+	if (v.isIntList())
+		return v.toIntVector();
+	std::vector<int64_t> out;
+	for (const c10::SymInt &d : v.toSymIntVector())
+		out.push_back(d.expect_int());
+	return out;
+}
+
+// normd::layer_norm_fwd(input, weight?, bias?, normalized_shape, eps, mixed,
+// memory_efficient, client) -> (y, mean, invvar); rms_norm_fwd without bias
+// and mean.
+template <bool RMS>
+void forward_kernel(const c10::OperatorHandle &op, c10::DispatchKeySet, torch::jit::Stack *stack)
+{
+	constexpr size_t n = RMS ? 7 : 8, shape_at = RMS ? 2 : 3;
+	const auto args = torch::jit::last(*stack, n);
+	const Tensor input = args[0].toTensor();
+	const Tensor weight = optional_tensor(args[1]);
+	const Tensor bias = RMS ? Tensor() : optional_tensor(args[2]);
+	const bool upcast = args[shape_at + 2].toBool() && weight.defined() &&
+			    weight.scalar_type() != input.scalar_type();
+	const int64_t handle = upcast ? 0 : compiled_handle(args[shape_at + 4].toInt());
+	if (!handle)
+		return python_kernel(op, stack);
+	Forward f;
+	try {
+		f = run_forward(input, weight, bias, int_list(args[shape_at]),
+				args[shape_at + 1].toDouble(), RMS, handle, true);
+	} catch (const Fallback &) {
+		return python_kernel(op, stack);
+	}
+	torch::jit::drop(*stack, n);
+	torch::jit::push(*stack, f.y);
+	if (!RMS)
+		torch::jit::push(*stack, f.mean);
+	torch::jit::push(*stack, f.invvar);
+}
+
+bool fits(const Tensor &t, const Tensor &like, int64_t elements, bool stats)
+{
+	return t.numel() == elements && t.device() == like.device() &&
+	       (!stats || t.scalar_type() == at::kFloat);
+}
+
+// normd::layer_norm_bwd(grad_output, saved, weight?, bias?, mean?, invvar,
+// normalized_shape, eps, mixed, memory_efficient, input_dtype, weight_grad,
+// bias_grad, client) -> (dx, dgamma, dbeta); rms_norm_bwd without bias, mean,
+// bias_grad and dbeta. A gradient not asked for is an empty float32 tensor.
+template <bool RMS>
+void backward_kernel(const c10::OperatorHandle &op, c10::DispatchKeySet, torch::jit::Stack *stack)
+{
+	constexpr size_t n = RMS ? 11 : 14, shape_at = RMS ? 4 : 6;
+	const auto args = torch::jit::last(*stack, n);
+	const Tensor grad = args[0].toTensor(), saved = args[1].toTensor();
+	const Tensor weight = optional_tensor(args[2]);
+	const Tensor bias = RMS ? Tensor() : optional_tensor(args[3]);
+	const Tensor mean = RMS ? Tensor() : optional_tensor(args[4]);
+	const Tensor invvar = args[RMS ? 3 : 5].toTensor();
+	const std::vector<int64_t> shape = int_list(args[shape_at]);
+	const double eps = args[shape_at + 1].toDouble();
+	const bool mixed = args[shape_at + 2].toBool();
+	const bool memory_efficient = args[shape_at + 3].toBool();
+	const at::ScalarType input_dtype = args[shape_at + 4].toScalarType();
+	const bool weight_grad = args[shape_at + 5].toBool();
+	const bool bias_grad = RMS ? false : args[shape_at + 6].toBool();
+	const int64_t key = args[n - 1].toInt();
+	// What the Python implementation would convert or check first goes there.
+	const bool upcast = mixed && weight.defined() && weight.scalar_type() != input_dtype;
+	const int64_t handle = upcast || saved.scalar_type() != input_dtype ||
+					       (memory_efficient && mean.defined())
+				       ? 0
+				       : compiled_handle(key);
+	if (!handle)
+		return python_kernel(op, stack);
+	Backward b;
+	try {
+		const Plan p = plan(saved, weight, bias, shape);
+		const int64_t rows = static_cast<int64_t>(p.rows), cols = static_cast<int64_t>(p.cols);
+		if (!fits(grad, saved, rows * cols, false) || !fits(invvar, saved, rows, true) ||
+		    (!RMS && !memory_efficient && !(mean.defined() && fits(mean, saved, rows, true))))
+			throw Fallback{"the backward's tensors do not fit"};
+		b = run_backward(grad, saved.contiguous(), weight, bias,
+				 memory_efficient ? Tensor() : mean, invvar, p.rows, p.cols, eps, RMS,
+				 memory_efficient, p.weight_dtype, weight_grad, bias_grad, handle, true);
+	} catch (const Fallback &) {
+		return python_kernel(op, stack);
+	}
+	const auto none = [&] { return at::empty({0}, invvar.options()); };
+	torch::jit::drop(*stack, n);
+	torch::jit::push(*stack, b.dx);
+	torch::jit::push(*stack, b.dgamma.defined() ? b.dgamma : none());
+	if (!RMS)
+		torch::jit::push(*stack, b.dbeta.defined() ? b.dbeta : none());
+}
+
+// ---- what the Python package tells the operator ----
 
 void bind(int64_t enqueue_device_addr, int64_t last_error_addr, int64_t status_name_addr,
 	  bool host_tensors)
@@ -279,6 +492,24 @@ void conn_closed(int64_t handle)
 {
 	std::lock_guard<std::mutex> hold(conns_lock);
 	conns.erase(handle);
+	for (auto it = client_keys.begin(); it != client_keys.end();)
+		it = it->second == handle ? client_keys.erase(it) : std::next(it);
+}
+
+// A client key's connection (0: forget the key).
+void client_key(int64_t key, int64_t handle)
+{
+	std::lock_guard<std::mutex> hold(conns_lock);
+	if (handle)
+		client_keys[key] = handle;
+	else
+		client_keys.erase(key);
+}
+
+// set_completion_mode(): "" (none), or the mode.
+void completion_mode(c10::string_view mode)
+{
+	mode_setting.store(mode.empty() ? -1 : mode == "enqueue" ? 0 : 1);
 }
 
 } // namespace
@@ -293,4 +524,23 @@ TORCH_LIBRARY(normd_eager, m)
 	m.def("jobs() -> int", &jobs);
 	m.def("conn_opened(int handle) -> ()", &conn_opened);
 	m.def("conn_closed(int handle) -> ()", &conn_closed);
+	m.def("client_key(int key, int handle) -> ()", &client_key);
+	m.def("completion_mode(str mode) -> ()", &completion_mode);
+}
+
+TORCH_LIBRARY_IMPL(normd, CUDA, m)
+{
+	m.impl("layer_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&forward_kernel<false>>());
+	m.impl("rms_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&forward_kernel<true>>());
+	m.impl("layer_norm_bwd", torch::CppFunction::makeFromBoxedFunction<&backward_kernel<false>>());
+	m.impl("rms_norm_bwd", torch::CppFunction::makeFromBoxedFunction<&backward_kernel<true>>());
+}
+
+// Host tensors: the Python kernel, but under the stub (accept_host), whose tests compare the two.
+TORCH_LIBRARY_IMPL(normd, CPU, m)
+{
+	m.impl("layer_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&forward_kernel<false>>());
+	m.impl("rms_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&forward_kernel<true>>());
+	m.impl("layer_norm_bwd", torch::CppFunction::makeFromBoxedFunction<&backward_kernel<false>>());
+	m.impl("rms_norm_bwd", torch::CppFunction::makeFromBoxedFunction<&backward_kernel<true>>());
 }

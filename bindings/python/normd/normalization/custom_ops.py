@@ -29,6 +29,13 @@ Each op has a fake implementation (shapes and dtypes only, symbolic sizes
 allowed, so dynamic batch sizes compile once) and the forward ops have
 autograd registered, whose backward calls the backward op.
 
+With ``NORMD_EAGER=1`` the ops' CUDA kernels are C++ (normd/csrc/eager_norm.cpp,
+loaded by normd.eager): they run the enqueue mode's common case without the
+Python below, and hand every other call to it (another completion mode, the
+mixed forms' float32 copies, arguments it would refuse, a client key they
+have not been told); the schemas, fake implementations and autograd stay
+these.
+
 CUDA graphs: a graph replays kernels, not the Python that sends a job to the
 daemon, so a captured job would never run again. The ops carry PyTorch's
 ``cudagraph_unsafe`` tag (PyTorch >= 2.9), which makes
@@ -45,6 +52,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .. import eager as _eager
 from ..client import client_by_key
 from .fused_layer_norm import (_backward, _check_backward_inputs, _check_param, _forward,
                                _normalized_shape, _plan, _rows_cols)
@@ -65,6 +73,8 @@ def norm(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):
     _check_param("weight", weight, input, shape)
     _check_param("bias", bias, input, shape)
     _plan(input.dtype, weight, bias, mixed)
+    if input.is_cuda:
+        _eager.norm_op()  # with NORMD_EAGER=1, its kernels run the ops (normd.eager)
     key = 0 if client is None else client._key
     if rms:
         return torch.ops.normd.rms_norm_fwd(input, weight, shape, eps, mixed, memory_efficient,
@@ -76,13 +86,21 @@ def norm(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):
 # ---- what the ops run -----------------------------------------------------------------
 
 
+def _client(key):
+    """The Client a key names; the compiled operator's kernels learn the key (normd.eager)."""
+    client = client_by_key(key)
+    if _eager.loaded():
+        _eager.bind_key(key, client)
+    return client
+
+
 class _BackwardArgs:
     """The attributes fused_layer_norm._backward reads from an autograd ctx."""
 
     def __init__(self, client, shape, eps, mixed, memory_efficient, input_dtype, weight,
                  bias, weight_grad, bias_grad):
         upcast, weight_dtype = _plan(input_dtype, weight, bias, mixed)
-        self.client = client_by_key(client)
+        self.client = _client(client)
         self.normalized_shape = _normalized_shape(shape)
         self.eps = eps
         self.memory_efficient = memory_efficient
@@ -104,7 +122,7 @@ def _no_grad_placeholder(invvar):
 def _layer_norm_fwd(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                     normalized_shape: Sequence[int], eps: float, mixed: bool,
                     memory_efficient: bool, client: int) -> Tuple[Tensor, Tensor, Tensor]:
-    y, mean, invvar = _forward(client_by_key(client), False, input, weight, bias,
+    y, mean, invvar = _forward(_client(client), False, input, weight, bias,
                                _normalized_shape(normalized_shape), eps, mixed)[:3]
     return y, mean, invvar
 
@@ -112,7 +130,7 @@ def _layer_norm_fwd(input: Tensor, weight: Optional[Tensor], bias: Optional[Tens
 def _rms_norm_fwd(input: Tensor, weight: Optional[Tensor], normalized_shape: Sequence[int],
                   eps: float, mixed: bool, memory_efficient: bool,
                   client: int) -> Tuple[Tensor, Tensor]:
-    y, _, invvar = _forward(client_by_key(client), True, input, weight, None,
+    y, _, invvar = _forward(_client(client), True, input, weight, None,
                             _normalized_shape(normalized_shape), eps, mixed)[:3]
     return y, invvar
 
