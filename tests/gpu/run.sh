@@ -49,14 +49,18 @@ else
 fi
 # torch.compile and CUDA graphs (pytest; it starts its own daemon on GPU 0).
 if python3 -c "import torch, pytest" >/dev/null 2>&1; then
-	echo "== test_compile.py"
-	if NORMD_BIN="$build/bin/normd" PYTHONDONTWRITEBYTECODE=1 timeout "$timeout_s" \
-		python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_compile.py; then
-		echo "== test_compile.py: ok"
-	else
-		echo "== test_compile.py: FAILED (exit $?)"
-		status=1
-	fi
+	# The ops' Python implementation, then the compiled eager operator's kernels (normd.eager).
+	for eager in 0 1; do
+		echo "== test_compile.py (NORMD_EAGER=$eager)"
+		if NORMD_EAGER=$eager NORMD_BIN="$build/bin/normd" PYTHONDONTWRITEBYTECODE=1 \
+			timeout "$timeout_s" \
+			python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_compile.py; then
+			echo "== test_compile.py (NORMD_EAGER=$eager): ok"
+		else
+			echo "== test_compile.py (NORMD_EAGER=$eager): FAILED (exit $?)"
+			status=1
+		fi
+	done
 else
 	echo "== test_compile.py: skipped (python3 cannot import torch and pytest)"
 fi

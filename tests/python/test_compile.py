@@ -277,6 +277,7 @@ def run_steps(client, compiled, ref, device, dtype, batches, label, mark_dynamic
         if device != "cpu":
             torch.cuda.synchronize()
         before = jobs_ok(client)
+        eager_before = normd.eager.jobs()
         mark_step = getattr(torch.compiler, "cudagraph_mark_step_begin", None)
         if mark_step is not None and device != "cpu":
             mark_step()
@@ -287,6 +288,10 @@ def run_steps(client, compiled, ref, device, dtype, batches, label, mark_dynamic
         after = jobs_ok(client, before + 4)
         assert after == before + 4, "%s batch %d: the daemon ran %d jobs, expected 4 " \
             "(2 forward, 2 backward)" % (label, batch, after - before)
+        if device != "cpu" and os.environ.get("NORMD_EAGER") == "1":
+            # The ops' C++ kernels sent them (a step after the first, which tells them the key).
+            sent = normd.eager.jobs() - eager_before
+            assert sent == 4 or (sent < 4 and batch == batches[0]), (label, batch, sent)
         expect_same_step("%s batch %d" % (label, batch), got, train_step(ref, x, grad), dtype)
 
 

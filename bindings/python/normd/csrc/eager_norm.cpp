@@ -1,21 +1,22 @@
-// normd's eager LayerNorm and RMSNorm as one PyTorch operator whose autograd
-// is C++: the per-call work of normd.normalization's enqueue mode (checks,
-// outputs, the autograd node, the library's enqueue) without the Python
-// interpreter in between. normd/eager.py compiles it on first use against the
-// installed torch (PyTorch's operator and autograd API is C++ only) and binds
-// it to the libnormclient the package loaded; it falls back to the Python
-// path wherever this file says so.
+// normd.normalization's enqueue mode in C++ (normd/eager.py builds and loads it):
+//   - normd_eager::norm, one PyTorch operator whose autograd is C++, for eager
+//     calls: checks, outputs, the autograd node and the library's enqueue
+//     without the Python interpreter in between;
+//   - C++ kernels (CUDA) of normd's torch.library ops, which compiled code calls.
+// PyTorch's operator and autograd API is C++ only. The library is reached
+// through the function pointers of the libnormclient the package loaded.
+// Whatever this file does not take goes to the Python path.
 //
-// Errors travel as RuntimeError messages that normd/eager.py parses:
-//   "normd-eager fallback: why"   a case this file leaves to the Python path
-//                                 (it raises the Python path's own errors);
+// The eager operator's errors travel as RuntimeError messages that
+// normd/eager.py parses:
+//   "normd-eager fallback: why"   a case left to the Python path (which raises
+//                                 its own errors);
 //   "normd error CODE (NAME): message"   the library refused the job.
 #include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <unordered_map>
 
@@ -222,8 +223,9 @@ Backward run_backward(const Tensor &grad, const Tensor &x, const Tensor &weight,
 		dy = dy.to(x.scalar_type());
 	Backward b;
 	b.dx = at::empty(x.sizes(), x.options());
-	b.dgamma = weight.defined() && want_dgamma ? at::empty_like(weight) : Tensor();
-	b.dbeta = bias.defined() && want_dbeta ? at::empty_like(bias) : Tensor();
+	b.dgamma = weight.defined() && want_dgamma ? at::empty(weight.sizes(), weight.options())
+						   : Tensor();
+	b.dbeta = bias.defined() && want_dbeta ? at::empty(bias.sizes(), bias.options()) : Tensor();
 	const Tensor tensors[10] = {x, {}, mean, invvar, weight, bias, dy, b.dx, b.dgamma, b.dbeta};
 	enqueue(handle, x, rms ? NC_RMSNORM_BWD : NC_LAYERNORM_BWD, rows, cols, eps,
 		dtype_code(x.scalar_type()), weight_dtype,
@@ -412,7 +414,7 @@ void forward_kernel(const c10::OperatorHandle &op, c10::DispatchKeySet, torch::j
 bool fits(const Tensor &t, const Tensor &like, int64_t elements, bool stats)
 {
 	return t.numel() == elements && t.device() == like.device() &&
-	       (!stats || t.scalar_type() == at::kFloat);
+	       (!stats || (t.scalar_type() == at::kFloat && t.is_contiguous()));
 }
 
 // normd::layer_norm_bwd(grad_output, saved, weight?, bias?, mean?, invvar,
@@ -452,7 +454,9 @@ void backward_kernel(const c10::OperatorHandle &op, c10::DispatchKeySet, torch::
 		if (!fits(grad, saved, rows * cols, false) || !fits(invvar, saved, rows, true) ||
 		    (!RMS && !memory_efficient && !(mean.defined() && fits(mean, saved, rows, true))))
 			throw Fallback{"the backward's tensors do not fit"};
-		b = run_backward(grad, saved.contiguous(), weight, bias,
+		b = run_backward(grad, saved.contiguous(),
+				 weight.defined() ? weight.contiguous() : Tensor(),
+				 bias.defined() ? bias.contiguous() : Tensor(),
 				 memory_efficient ? Tensor() : mean, invvar, p.rows, p.cols, eps, RMS,
 				 memory_efficient, p.weight_dtype, weight_grad, bias_grad, handle, true);
 	} catch (const Fallback &) {

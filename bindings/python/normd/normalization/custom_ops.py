@@ -34,7 +34,8 @@ loaded by normd.eager): they run the enqueue mode's common case without the
 Python below, and hand every other call to it (another completion mode, the
 mixed forms' float32 copies, arguments it would refuse, a client key they
 have not been told); the schemas, fake implementations and autograd stay
-these.
+these. A job the library refuses there raises a RuntimeError whose message
+starts ``normd error CODE (STATUS):`` rather than a NormdError.
 
 CUDA graphs: a graph replays kernels, not the Python that sends a job to the
 daemon, so a captured job would never run again. The ops carry PyTorch's
