@@ -74,8 +74,6 @@ def norm(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):
     _check_param("weight", weight, input, shape)
     _check_param("bias", bias, input, shape)
     _plan(input.dtype, weight, bias, mixed)
-    if input.is_cuda:
-        _eager.norm_op()  # with NORMD_EAGER=1, its kernels run the ops (normd.eager)
     key = 0 if client is None else client._key
     if rms:
         return torch.ops.normd.rms_norm_fwd(input, weight, shape, eps, mixed, memory_efficient,
@@ -88,9 +86,14 @@ def norm(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):
 
 
 def _client(key):
-    """The Client a key names; the compiled operator's kernels learn the key (normd.eager)."""
+    """The Client a key names.
+
+    With NORMD_EAGER=1 the compiled operator is loaded here (at run time:
+    never while Dynamo traces) and its kernels learn the key, so that they
+    take the op's next calls (normd.eager).
+    """
     client = client_by_key(key)
-    if _eager.loaded():
+    if _eager.norm_op() is not None:
         _eager.bind_key(key, client)
     return client
 
