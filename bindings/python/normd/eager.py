@@ -82,15 +82,15 @@ def _compiler():
 
 
 def _build_command(torch, header_dir, out):
-    from torch.utils import cpp_extension
-
-    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    # torch's headers and libraries as its wheels lay them out (what
+    # torch.utils.cpp_extension would find, without importing it).
+    root = os.path.dirname(torch.__file__)
+    lib_dir = os.path.join(root, "lib")
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    return ([_compiler(), "-O2", "-std=c++17", "-shared", "-fPIC",
-             "-D_GLIBCXX_USE_CXX11_ABI=%d" % abi]
-            + ["-isystem" + p for p in cpp_extension.include_paths()]
-            + ["-I" + str(header_dir), str(SOURCE), "-o", str(out), "-L" + lib_dir,
-               "-lc10", "-ltorch", "-ltorch_cpu", "-Wl,-rpath," + lib_dir])
+    return [_compiler(), "-O2", "-std=c++17", "-shared", "-fPIC",
+            "-D_GLIBCXX_USE_CXX11_ABI=%d" % abi, "-isystem" + os.path.join(root, "include"),
+            "-I" + str(header_dir), str(SOURCE), "-o", str(out), "-L" + lib_dir, "-lc10",
+            "-ltorch", "-ltorch_cpu", "-Wl,-rpath," + lib_dir]
 
 
 def _library_path(torch):
