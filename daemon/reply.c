@@ -182,8 +182,12 @@ static uint64_t reply_rss_bytes(void)
  */
 static uint64_t reply_heap_bytes(void)
 {
+#if defined(__GLIBC__) && __GLIBC_PREREQ(2, 33)
 	struct mallinfo2 m = mallinfo2();
 	return (uint64_t)m.uordblks + (uint64_t)m.hblkhd;
+#else
+	return 0; /* not reported */
+#endif
 }
 
 void reply_stats(struct client *c, uint64_t request_id)
@@ -193,7 +197,7 @@ void reply_stats(struct client *c, uint64_t request_id)
 	stats.has_uptime_ms = stats.has_clients = stats.has_clients_total = true;
 	stats.has_jobs_ok = stats.has_jobs_failed = stats.has_jobs_in_flight = true;
 	stats.has_regions = stats.has_mapped_bytes = stats.has_rss_bytes = true;
-	stats.has_bytes_processed = stats.has_heap_bytes = true;
+	stats.has_bytes_processed = true;
 	stats.uptime_ms = (stats_now_ns() - srv->start_ns) / 1000000;
 	stats.clients = srv->client_count;
 	stats.clients_total = srv->stats.clients_total;
@@ -204,6 +208,7 @@ void reply_stats(struct client *c, uint64_t request_id)
 	stats.mapped_bytes = region_live_bytes();
 	stats.rss_bytes = reply_rss_bytes();
 	stats.heap_bytes = reply_heap_bytes();
+	stats.has_heap_bytes = stats.heap_bytes != 0;
 	stats.bytes_processed = srv->stats.bytes_processed;
 	stats.n_errors_by_status = NORMD__STATUS__INTERNAL + 1;
 	stats.errors_by_status = srv->stats.errors_by_status;

@@ -570,7 +570,6 @@ struct nc_stats {
 	uint32_t regions;
 	uint64_t mapped_bytes;
 	uint64_t rss_bytes;
-	uint64_t heap_bytes;            /* malloc'd and not freed: what a leak grows */
 	uint64_t bytes_processed;
 	uint64_t errors_by_status[16]; /* every reply, indexed by wire status value */
 	char backend[16];
@@ -581,6 +580,8 @@ struct nc_stats {
 	struct nc_device_stats devices[NC_STATS_DEVICES];
 	uint64_t rejections[32];      /* refusals, indexed by enum nc_reject_reason */
 	struct nc_limits limits;
+	/* Added last, so that programs built against an older header keep working. */
+	uint64_t heap_bytes; /* malloc'd and not freed (0: not reported): what a leak grows */
 };
 
 /* Fetches the daemon's counters. Errors: NC_EIO, NC_ETIMEOUT. */

@@ -609,8 +609,6 @@ static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block
 	if (b->device < 0) {
 		atomic_store_explicit((_Atomic uint32_t *)(b->ready_host + offset), seq,
 				      memory_order_release);
-	} else if (nc__refuse_capture(stream) != 0) {
-		return NC_EUNSUPPORTED;
 	} else if (nk_cuda_stream_signal_wait(stream, b->ready_gpu + offset, seq, done, seq) != 0 &&
 		   signal_wait_with_context(b, stream, b->ready_gpu + offset, done, seq) != 0) {
 		cudaGetLastError();
@@ -673,6 +671,9 @@ NC_API int nc_job_enqueue_ext(nc_conn *conn, const struct nc_job *job,
 	int device = -1;
 	if (rc == 0)
 		rc = check_job(conn, job, ext, &device);
+	/* Before a stream slot is taken: a CUDA stream's job only (a CPU key is no stream). */
+	if (rc == 0 && device >= 0)
+		rc = nc__refuse_capture(stream);
 	struct nc__enqueue *e = rc ? NULL : enqueue_of(conn);
 	if (rc == 0 && !e)
 		rc = nc__fail(NC_ENOMEM, "out of memory for the enqueue mode");

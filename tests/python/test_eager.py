@@ -16,11 +16,13 @@ real jobs) is tests/gpu/test_python.py under NORMD_EAGER=1.
 """
 
 import ctypes
+import gc
 import importlib
 import os
 import shutil
 import struct
 import subprocess
+import weakref
 
 import pytest
 
@@ -444,3 +446,26 @@ def test_the_ops_kernels_follow_the_default_client(ops_paths, recorder, daemon, 
     finally:
         normd.set_default_client(None)
         other.close()
+
+
+def test_a_client_dropped_between_forward_and_backward_stays_open(operator, recorder, daemon,
+                                                                   monkeypatch):
+    """The autograd node holds the client, as the Python path's ctx.client does."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(fln, "_eager_op", operator)
+    monkeypatch.delenv("NORMD_COMPLETION", raising=False)
+    recorder.rec_reset()
+    c = normd.Client(daemon.socket, name="eager-dropped")
+    handle, alive = c._conn.handle, weakref.ref(c)
+    m = N.FusedLayerNorm(16)
+    m.client = c
+    del c
+    y = m(torch.randn(3, 16, requires_grad=True))
+    m.client = None
+    gc.collect()
+    assert alive() is not None, "the client was collected while its job's backward was pending"
+    y.sum().backward()
+    assert recorder.rec_count() == 2 and recorder.rec_conn(1) == handle
+    del y
+    gc.collect()
+    assert alive() is None  # and released with the graph

@@ -32,6 +32,16 @@ fail() {
 stat_field() {
 	"$B/bin/normctl" --socket "$sock" stats --json | sed -n "s/.*\"$1\":\([0-9]*\).*/\1/p"
 }
+# Waits (up to 5 s) until only normctl's own connection is left and no job runs,
+# so that the memory read next is not that of sessions still being torn down.
+settled() {
+	i=0
+	while { [ "$(stat_field clients)" -gt 1 ] || [ "$(stat_field jobs_in_flight)" -gt 0 ]; } &&
+		[ $i -lt 50 ]; do
+		sleep 0.1
+		i=$((i + 1))
+	done
+}
 
 # Without glibc's per-thread caches the heap in use is exact: with them, freed
 # chunks parked in a worker's cache count as in use and drift by 100 KiB a run.
@@ -56,6 +66,7 @@ load="$load --ops ln_fwd,ln_bwd,rms_fwd,rms_bwd,wgrad --rows 1-256 --cols 1-4096
 # the CPU kernels) before its RSS is taken as the baseline.
 echo "== warm-up (10 s)"
 "$B/bin/normstress" $load --verify 0.01 --duration 10 --seed 11 || fail "normstress warm-up run failed"
+settled
 rss_before=$(stat_field rss_bytes)
 heap_before=$(stat_field heap_bytes)
 [ -n "$rss_before" ] && [ -n "$heap_before" ] || fail "no RSS or heap from normctl stats"
@@ -69,6 +80,7 @@ grep -q '"mismatches":0,' "$dir/run.json" || fail "verify mismatches: $(cat "$di
 grep -q '"unexpected_errors":0,' "$dir/run.json" || fail "unexpected errors: $(cat "$dir/run.json")"
 grep -q '"kills":0,' "$dir/run.json" && fail "no client process was killed"
 grep -q '"bad_sent":0,' "$dir/run.json" && fail "no invalid request was sent"
+settled
 rss_after=$(stat_field rss_bytes)
 heap_after=$(stat_field heap_bytes)
 [ -n "$rss_after" ] && [ -n "$heap_after" ] || fail "no RSS or heap from normctl stats"

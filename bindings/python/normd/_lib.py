@@ -218,7 +218,6 @@ class NcStats(ctypes.Structure):
         ("regions", ctypes.c_uint32),
         ("mapped_bytes", ctypes.c_uint64),
         ("rss_bytes", ctypes.c_uint64),
-        ("heap_bytes", ctypes.c_uint64),
         ("bytes_processed", ctypes.c_uint64),
         ("errors_by_status", ctypes.c_uint64 * 16),
         ("backend", ctypes.c_char * 16),
@@ -229,6 +228,7 @@ class NcStats(ctypes.Structure):
         ("devices", NcDeviceStats * STATS_DEVICES),
         ("rejections", ctypes.c_uint64 * 32),  # by enum nc_reject_reason
         ("limits", NcLimits),
+        ("heap_bytes", ctypes.c_uint64),  # last: added after the rest
     ]
 
 

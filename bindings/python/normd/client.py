@@ -734,6 +734,7 @@ def latency_quantile_us(buckets, quantile):
 # ---- the completion mode of normd.normalization --------------------------------------
 
 _completion = None  # set_completion_mode()'s choice; None: $NORMD_COMPLETION
+_completion_lock = threading.Lock()
 
 # os.environ.get costs a key encoding and a value decoding at every call: the
 # variable is read from os.environ's own storage (the same values) and parsed
@@ -794,10 +795,11 @@ def set_completion_mode(mode):
     restores it.
     """
     global _completion
-    old, _completion = _completion, (None if mode is None
-                                     else _checked_mode(mode, "completion mode"))
-    if _eager_listener is not None:
-        _eager_listener("mode", _completion)
+    new = None if mode is None else _checked_mode(mode, "completion mode")
+    with _completion_lock:  # the setting and what normd.eager is told, in one order
+        old, _completion = _completion, new
+        if _eager_listener is not None:
+            _eager_listener("mode", new)
     return old
 
 

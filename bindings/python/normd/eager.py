@@ -39,6 +39,7 @@ import fcntl
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,13 +94,26 @@ def _build_command(torch, header_dir, out):
             "-ltorch", "-ltorch_cpu", "-Wl,-rpath," + lib_dir]
 
 
+def _identity(path):
+    """A file's path, size and modification time (a reinstall changes them), or its name."""
+    found = shutil.which(path) if os.sep not in path else path
+    try:
+        st = os.stat(found)
+    except (OSError, TypeError):
+        return path
+    return "%s:%d:%d" % (os.path.realpath(found), st.st_size, st.st_mtime_ns)
+
+
 def _library_path(torch):
-    """The built operator's path for this source, header, torch and compiler."""
+    """The built operator's path: a key of the source, header, command, torch and compiler."""
     header_dir = _header_dir()
+    libtorch = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), (header_dir / _HEADER_NAME).read_bytes(),
-                 torch.__version__.encode(), _compiler().encode(), sys.platform.encode()):
-        key.update(part)
+                 " ".join(_build_command(torch, header_dir, "OUT")), torch.__version__,
+                 str(getattr(torch.version, "git_version", "")), _identity(libtorch),
+                 _identity(_compiler()), sys.platform):
+        key.update(part if isinstance(part, bytes) else part.encode())
         key.update(b"\0")
     return cache_dir() / ("normd_eager-%s.so" % key.hexdigest()[:16]), header_dir
 
@@ -154,8 +168,9 @@ def _load(host_tensors=False):
     _state["path"] = path
     from . import client
 
-    client._eager_listener = _listener
-    _listener("mode", client._completion)
+    with client._completion_lock:
+        client._eager_listener = _listener
+        _listener("mode", client._completion)
     # The overload's C++ callable: OpOverload.__call__ is one Python frame more.
     return torch.ops.normd_eager.norm.default._op
 
@@ -179,7 +194,17 @@ def bind_key(key, client):
     """Tells the operator's kernels which connection a client key (0: the default) names."""
     import torch
 
-    torch.ops.normd_eager.client_key(int(key or 0), conn_key(client._conn))
+    from . import client as client_module
+
+    handle = conn_key(client._conn)
+    if key:
+        torch.ops.normd_eager.client_key(int(key), handle)
+        return
+    # Under the lock that set_default_client takes to tell us of a new default:
+    # a client set aside meanwhile is never bound.
+    with client_module._default_lock:
+        if client_module._default is client:
+            torch.ops.normd_eager.client_key(0, handle)
 
 
 def norm_op(host_tensors=False):

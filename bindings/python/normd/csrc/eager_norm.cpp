@@ -20,6 +20,7 @@
 #include <string>
 #include <unordered_map>
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -52,8 +53,13 @@ std::atomic<bool> accept_host{false};
 
 // Connections the Python package opened and has not closed, with the process
 // that opened them: a closed or inherited handle must never reach the library.
-std::mutex conns_lock;
-std::unordered_map<int64_t, pid_t> conns;
+// Never destroyed (threads may still call in while static destructors run at
+// exit); a forked child gets a fresh lock (its parent's may have been held).
+std::mutex *conns_lock = new std::mutex;
+auto &conns = *new std::unordered_map<int64_t, pid_t>;
+// Client keys (0: the default client) -> connection handles, under conns_lock.
+auto &client_keys = *new std::unordered_map<int64_t, int64_t>;
+const int fork_handler = pthread_atfork(nullptr, nullptr, [] { conns_lock = new std::mutex; });
 
 [[noreturn]] void fallback(const char *why)
 {
@@ -70,7 +76,7 @@ std::unordered_map<int64_t, pid_t> conns;
 
 nc_conn *live_conn(int64_t handle)
 {
-	std::lock_guard<std::mutex> hold(conns_lock);
+	std::lock_guard<std::mutex> hold(*conns_lock);
 	auto it = conns.find(handle);
 	if (it == conns.end() || it->second != getpid())
 		TORCH_CHECK(false, "normd error ", static_cast<int>(NC_EINVALID_ARGUMENT),
@@ -329,8 +335,6 @@ Tensor norm(const Tensor &input, const std::optional<Tensor> &weight,
 // set_completion_mode() as Python last told it: -1 none ($NORMD_COMPLETION
 // decides), 0 the enqueue mode, 1 another.
 std::atomic<int> mode_setting{-1};
-// Client keys (0: the default client) -> connection handles, under conns_lock.
-std::unordered_map<int64_t, int64_t> client_keys;
 
 bool enqueue_mode()
 {
@@ -352,7 +356,7 @@ int64_t compiled_handle(int64_t key)
 {
 	if (!enqueue_mode())
 		return 0;
-	std::lock_guard<std::mutex> hold(conns_lock);
+	std::lock_guard<std::mutex> hold(*conns_lock);
 	auto k = client_keys.find(key);
 	if (k == client_keys.end())
 		return 0;
@@ -488,13 +492,13 @@ int64_t jobs()
 
 void conn_opened(int64_t handle)
 {
-	std::lock_guard<std::mutex> hold(conns_lock);
+	std::lock_guard<std::mutex> hold(*conns_lock);
 	conns[handle] = getpid();
 }
 
 void conn_closed(int64_t handle)
 {
-	std::lock_guard<std::mutex> hold(conns_lock);
+	std::lock_guard<std::mutex> hold(*conns_lock);
 	conns.erase(handle);
 	for (auto it = client_keys.begin(); it != client_keys.end();)
 		it = it->second == handle ? client_keys.erase(it) : std::next(it);
@@ -503,7 +507,7 @@ void conn_closed(int64_t handle)
 // A client key's connection (0: forget the key).
 void client_key(int64_t key, int64_t handle)
 {
-	std::lock_guard<std::mutex> hold(conns_lock);
+	std::lock_guard<std::mutex> hold(*conns_lock);
 	if (handle)
 		client_keys[key] = handle;
 	else

@@ -616,14 +616,22 @@ def _run_eager(rms, input, weight, bias, shape, eps, memory_efficient, client):
         op = _eager_op = _eager.norm_op() or False
     if op is False or completion_mode() != "enqueue":
         return None
-    conn = (client or default_client())._conn
+    # Held here for the call and by the autograd node for backward, as the
+    # Python path's ctx.client is: a client garbage collected in between
+    # would close its connection under the operator.
+    client = client or default_client()
+    conn = client._conn
     handle = conn.handle if conn.eager_bound else _eager.conn_key(conn)
     if handle is None:
         conn.checked_handle()  # raises: the client is closed
     if type(eps) is not float:
         eps = 0.0 if eps is None else float(eps)
     try:
-        return op(input, weight, bias, shape, eps, rms, memory_efficient, handle)
+        y = op(input, weight, bias, shape, eps, rms, memory_efficient, handle)
+        node = y.grad_fn
+        if node is not None:
+            node.metadata["normd_client"] = client
+        return y
     except RuntimeError as e:
         what = _eager.error(e)
         if what is None:
