@@ -185,11 +185,6 @@ def _listener(what, value):
         torch.ops.normd_eager.client_key(0, 0)  # relearned from the next Python call
 
 
-def loaded():
-    """Whether the operator is loaded (and its kernels of the torch.library ops registered)."""
-    return bool(_state["op"])
-
-
 def bind_key(key, client):
     """Tells the operator's kernels which connection a client key (0: the default) names."""
     import torch
