@@ -464,7 +464,7 @@ NC_API int nc_job_enqueue_device(nc_conn *conn, const struct nc_job *job,
 					nc__job_role_name((enum nc__job_role)i), why);
 		}
 	}
-	return nc_job_enqueue(conn, &resolved, stream);
+	return nc__job_enqueue(conn, &resolved, NULL, stream, device_pointers);
 }
 
 NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *stream,

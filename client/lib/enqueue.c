@@ -664,6 +664,12 @@ NC_API int nc_job_enqueue(nc_conn *conn, const struct nc_job *job, void *stream)
 NC_API int nc_job_enqueue_ext(nc_conn *conn, const struct nc_job *job,
 			      const struct nc_job_ext *ext, void *stream)
 {
+	return nc__job_enqueue(conn, job, ext, stream, false);
+}
+
+int nc__job_enqueue(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
+		    void *stream, bool capture_checked)
+{
 	if (!conn || !job)
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn and job must not be NULL");
 	nc__poll_replies(conn);
@@ -672,7 +678,7 @@ NC_API int nc_job_enqueue_ext(nc_conn *conn, const struct nc_job *job,
 	if (rc == 0)
 		rc = check_job(conn, job, ext, &device);
 	/* Before a stream slot is taken: a CUDA stream's job only (a CPU key is no stream). */
-	if (rc == 0 && device >= 0)
+	if (rc == 0 && device >= 0 && !capture_checked)
 		rc = nc__refuse_capture(stream);
 	struct nc__enqueue *e = rc ? NULL : enqueue_of(conn);
 	if (rc == 0 && !e)

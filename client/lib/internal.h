@@ -154,6 +154,9 @@ uint64_t nc__role_bytes(const struct nc_job *job, const struct nc_job_ext *ext, 
 void nc__enqueue_answered(nc_conn *conn, const Normd__Envelope *env);
 /* NC_EUNSUPPORTED (with its message) if the CUDA stream is capturing a graph, else 0. */
 int nc__refuse_capture(void *stream);
+/* nc_job_enqueue_ext; capture_checked: the caller asked nc__refuse_capture already. */
+int nc__job_enqueue(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
+		    void *stream, bool capture_checked);
 /* Reads whatever replies have arrived, without waiting. */
 void nc__poll_replies(nc_conn *conn);
 /* Waits until every enqueued job has been answered; 0 or NC_ETIMEOUT. */
