@@ -469,3 +469,28 @@ def test_a_client_dropped_between_forward_and_backward_stays_open(operator, reco
     del y
     gc.collect()
     assert alive() is None  # and released with the graph
+
+
+def test_the_ops_kernels_hand_a_capturing_stream_to_python_and_raise_other_refusals(
+        ops_paths, recorder):
+    """Python words the capture refusal for PyTorch users; other refusals are RuntimeErrors."""
+    unsupported = _lib.STATUS_CODES["UNSUPPORTED"]
+    call = _through_ops(True, False)
+
+    def capturing(c):
+        call(c)  # the key learned; then the forward op's library call refuses the stream
+        recorder.rec_fail(unsupported, 1 << 3, b"the stream is capturing a CUDA graph, and ...")
+        return call(c)
+
+    _, by_kernels, by_python = ops_paths(True, capturing)
+    # In C++: the first call's forward and backward and the second's backward; the
+    # refused forward went to the Python implementation (its library call recorded here).
+    assert (by_kernels, by_python) == (3, 1)
+
+    def refused(c):
+        call(c)
+        recorder.rec_fail(unsupported, 1 << 3, b"tensor x: not exportable")
+        return call(c)
+
+    with pytest.raises(RuntimeError, match=r"normd error -\d+ \(UNSUPPORTED\): tensor x"):
+        ops_paths(True, refused)
