@@ -299,22 +299,14 @@ def prepare_library_job(client, device, stub, rows, cols):
 def completion(mode):
     """The row's completion mode; "enqueue-python" is the enqueue mode without the compiled
     eager operator (normd.eager), on the package's Python path."""
-    import importlib
-
     import normd
 
-    fln = importlib.import_module("normd.normalization.fused_layer_norm")
     python_path = mode == "enqueue-python"
-    if python_path:
-        mode = "enqueue"
-    old = normd.set_completion_mode(mode) if mode else None
-    eager_op = fln._eager_op
-    if python_path:
-        fln._eager_op = False
+    old = normd.set_completion_mode("enqueue" if python_path else mode) if mode else None
     try:
-        yield
+        with normd.eager.paused() if python_path else contextlib.nullcontext():
+            yield
     finally:
-        fln._eager_op = eager_op
         if mode:
             normd.set_completion_mode(old)
 

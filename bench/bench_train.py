@@ -78,7 +78,6 @@ Usage (GPU machine, after `make gpu-progs`; bench-gpu does this):
 
 import argparse
 import contextlib
-import importlib
 import datetime
 import json
 import math
@@ -390,18 +389,12 @@ def train_step(fn, opt, x, target):
 @contextlib.contextmanager
 def completion(mode):
     """normd's completion mode for the block (None: leave it; see MODES)."""
-    fln = importlib.import_module("normd.normalization.fused_layer_norm")
     python_path = mode == "enqueue-python"
-    if python_path:
-        mode = "enqueue"
-    old = normd.set_completion_mode(mode) if mode else None
-    eager_op = fln._eager_op
-    if python_path:
-        fln._eager_op = False
+    old = normd.set_completion_mode("enqueue" if python_path else mode) if mode else None
     try:
-        yield
+        with normd.eager.paused() if python_path else contextlib.nullcontext():
+            yield
     finally:
-        fln._eager_op = eager_op
         if mode:
             normd.set_completion_mode(old)
 

@@ -180,9 +180,14 @@ static uint64_t reply_rss_bytes(void)
  * it does not keep a peak's arena pages, so it returns to its level after a
  * load unless something leaked.
  */
+#if defined(__GLIBC__)
+#if __GLIBC_PREREQ(2, 33)
+#define HAVE_MALLINFO2 1
+#endif
+#endif
 static uint64_t reply_heap_bytes(void)
 {
-#if defined(__GLIBC__) && __GLIBC_PREREQ(2, 33)
+#ifdef HAVE_MALLINFO2
 	struct mallinfo2 m = mallinfo2();
 	return (uint64_t)m.uordblks + (uint64_t)m.hblkhd;
 #else

@@ -98,17 +98,48 @@ def recorder(tmp_path_factory):
     return rec
 
 
+def _bind_recorder(recorder, host_tensors):
+    """The operator's library calls go to the recorder; host tensors pass where asked."""
+    torch.ops.normd_eager.bind(eager._address(recorder.rec_enqueue),
+                               eager._address(recorder.rec_last_error),
+                               eager._address(_lib.load().nc_status_name), host_tensors)
+
+
 @pytest.fixture(scope="module")
 def operator(recorder):
     """torch.ops.normd_eager, built for this torch and bound to the recorder."""
     torch.ops.load_library(str(eager.build()))
-    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
-    torch.ops.normd_eager.bind(address(recorder.rec_enqueue), address(recorder.rec_last_error),
-                               address(_lib.load().nc_status_name), True)
+    _bind_recorder(recorder, True)
     yield torch.ops.normd_eager.norm.default._op
     lib = _lib.load()
-    torch.ops.normd_eager.bind(address(lib.nc_job_enqueue_device), address(lib.nc_last_error),
-                               address(lib.nc_status_name), False)
+    torch.ops.normd_eager.bind(eager._address(lib.nc_job_enqueue_device),
+                               eager._address(lib.nc_last_error),
+                               eager._address(lib.nc_status_name), False)
+
+
+def _as_cuda(client, monkeypatch):
+    """CPU tensors pass for CUDA ones in the enqueue mode; returns the list the
+    Python path's library calls (client._enqueue_device) are recorded in."""
+    monkeypatch.delenv("NORMD_COMPLETION", raising=False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(fln, "_capturing", lambda: False)
+    monkeypatch.setattr(fln, "_raw_stream", lambda index: 0)  # the operator's host "stream"
+    python_calls = []
+    monkeypatch.setattr(client, "_enqueue_device", lambda job, ptrs, stream: python_calls.append(
+        (_job_fields(job), _unpack(ptrs), stream)))
+    return python_calls
+
+
+def _jobs_of(call, client, recorder, python_calls):
+    """(the call's jobs by name, how many went to the recorder, how many through Python)."""
+    recorder.rec_reset()
+    python_calls.clear()
+    named = call(client)
+    ours = [(_job_fields(recorder.rec_job(i).contents),
+             tuple(recorder.rec_ptrs(i)[k] or 0 for k in range(_lib.JOB_TENSORS)),
+             recorder.rec_stream(i) or 0) for i in range(recorder.rec_count())]
+    # Each call goes one way: the recorder's jobs, then the Python path's, is the order.
+    return _symbolic(ours + python_calls, named), len(ours), len(python_calls)
 
 
 @pytest.fixture
@@ -119,27 +150,13 @@ def paths(operator, recorder, client, monkeypatch):
     tensors (for the pointers' names); the functional forms use `client`
     as the default client.
     """
-    monkeypatch.delenv("NORMD_COMPLETION", raising=False)
+    python_calls = _as_cuda(client, monkeypatch)
     old_mode = normd.set_completion_mode(None)
     normd.set_default_client(client)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(fln, "_capturing", lambda: False)
-    monkeypatch.setattr(fln, "_raw_stream", lambda index: 0)  # the operator's host "stream"
-    python_calls = []
-    monkeypatch.setattr(client, "_enqueue_device", lambda job, ptrs, stream: python_calls.append(
-        (_job_fields(job), _unpack(ptrs), stream)))
-    recorder.rec_reset()
 
     def run(use_operator, call):
         monkeypatch.setattr(fln, "_eager_op", operator if use_operator else False)
-        recorder.rec_reset()
-        python_calls.clear()
-        named = call(client)
-        ours = [(_job_fields(recorder.rec_job(i).contents),
-                 tuple(recorder.rec_ptrs(i)[k] or 0 for k in range(_lib.JOB_TENSORS)),
-                 recorder.rec_stream(i) or 0) for i in range(recorder.rec_count())]
-        # Each call goes one way: the recorder's jobs, then the Python path's, is the order.
-        return _symbolic(ours + python_calls, named), len(ours), len(python_calls)
+        return _jobs_of(call, client, recorder, python_calls)
 
     yield run
     normd.set_default_client(None)
@@ -347,37 +364,21 @@ def ops_paths(operator, recorder, client, monkeypatch):
     """
     from normd import client as client_module
 
-    monkeypatch.delenv("NORMD_COMPLETION", raising=False)
+    python_calls = _as_cuda(client, monkeypatch)
     old_mode = normd.set_completion_mode(None)
     monkeypatch.setitem(eager._state, "op", operator)
     monkeypatch.setitem(eager._state, "tried", True)
     monkeypatch.setattr(client_module, "_eager_listener", eager._listener)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(fln, "_raw_stream", lambda index: 0)
-    monkeypatch.setattr(fln, "_capturing", lambda: False)
-    python_calls = []
-    monkeypatch.setattr(client, "_enqueue_device", lambda job, ptrs, stream: python_calls.append(
-        (_job_fields(job), _unpack(ptrs), stream)))
-    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
 
     def run(use_kernels, call):
-        torch.ops.normd_eager.bind(address(recorder.rec_enqueue),
-                                   address(recorder.rec_last_error),
-                                   address(_lib.load().nc_status_name), use_kernels)
+        _bind_recorder(recorder, use_kernels)
         if use_kernels:
             call(client)  # the Python implementation tells the kernels the client's key
-        recorder.rec_reset()
-        python_calls.clear()
-        named = call(client)
-        ours = [(_job_fields(recorder.rec_job(i).contents),
-                 tuple(recorder.rec_ptrs(i)[k] or 0 for k in range(_lib.JOB_TENSORS)),
-                 recorder.rec_stream(i) or 0) for i in range(recorder.rec_count())]
-        return _symbolic(ours + python_calls, named), len(ours), len(python_calls)
+        return _jobs_of(call, client, recorder, python_calls)
 
     yield run
     torch.ops.normd_eager.client_key(client._key, 0)
-    torch.ops.normd_eager.bind(address(recorder.rec_enqueue), address(recorder.rec_last_error),
-                               address(_lib.load().nc_status_name), True)
+    _bind_recorder(recorder, True)
     normd.set_completion_mode(old_mode)
 
 

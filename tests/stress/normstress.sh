@@ -108,11 +108,7 @@ sleep 1.5
 [ "$(stat_field clients)" -ge 5 ] || fail "normstress clients did not connect"
 kill -KILL $spid
 wait $spid 2>/dev/null
-i=0
-while [ "$(stat_field clients)" -gt 1 ] && [ $i -lt 50 ]; do
-	sleep 0.1
-	i=$((i + 1))
-done
+settled
 [ "$(stat_field clients)" -le 1 ] || fail "client processes outlived normstress"
 
 kill -TERM $pid

@@ -34,9 +34,11 @@ would refuse or convert) goes to the Python path as before, which also
 raises the errors.
 """
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
+import importlib
 import os
 import re
 import shutil
@@ -235,6 +237,17 @@ def jobs():
     import torch
 
     return int(torch.ops.normd_eager.jobs())
+
+
+@contextlib.contextmanager
+def paused():
+    """Inside the block eager calls take the Python path (benchmarks time both paths)."""
+    fln = importlib.import_module("normd.normalization.fused_layer_norm")
+    saved, fln._eager_op = fln._eager_op, False
+    try:
+        yield
+    finally:
+        fln._eager_op = saved
 
 
 def status():

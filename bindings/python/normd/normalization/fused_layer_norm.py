@@ -643,7 +643,9 @@ def _run_eager(rms, input, weight, bias, shape, eps, memory_efficient, client):
 
 def _apply(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):
     """Runs the call: the compiled eager operator where it takes it, else the Function that fits."""
-    if input.is_cuda and (not mixed or weight is None or weight.dtype == input.dtype):
+    # `_eager_op is not False`: with the operator off, no call more than before it existed.
+    if _eager_op is not False and input.is_cuda and \
+            (not mixed or weight is None or weight.dtype == input.dtype):
         y = _run_eager(rms, input, weight, bias, shape, eps, memory_efficient, client)
         if y is not None:
             return y
