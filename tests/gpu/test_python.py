@@ -47,12 +47,15 @@ Prints one line per check (failures with their message), then
 "N passed, N failed"; exits non-zero if anything failed.
 """
 
+import faulthandler
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
+# A crash in native code (the library, the compiled operator) shows the Python frames.
+faulthandler.enable()
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "bindings" / "python"), str(REPO / "tests" / "python")]
 

@@ -113,14 +113,18 @@ def check_module(case, device, client=None, noncontiguous=False, seed=0):
         assert not x.is_contiguous() or x.dim() == 1
     x.requires_grad_(True)
 
-    y = module(x)
+    saved = []
+    # Recorded as autograd saves them, the same way for the Python Functions and
+    # the compiled eager operator's C++ node (whose saved_tensors Python cannot read).
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = module(x)
     out_dtype = torch.float32 if mixed else dtype
     assert y.dtype == out_dtype, "%s: output dtype %s, expected %s" % (label, y.dtype, out_dtype)
     assert y.shape == x.shape, label
-    check_saved(label, y, x, memory_efficient, rms, affine)
-
     w = module.weight
     b = getattr(module, "bias", None)
+    check_saved(label, saved, y, x, memory_efficient, rms, (w, b))
+
     x64 = x.detach().double().requires_grad_(True)
     w64 = w.detach().double().requires_grad_(True) if w is not None else None
     b64 = b.detach().double().requires_grad_(True) if b is not None else None
@@ -150,11 +154,13 @@ def check_module(case, device, client=None, noncontiguous=False, seed=0):
         expect_close(label + " dbias", b.grad, b64.grad, TOL[b.dtype])
 
 
-def check_saved(label, y, x, memory_efficient, rms, affine):
-    """memory_efficient saves the output, else the input; LayerNorm saves mean unless memeff."""
-    fn = y.grad_fn
-    assert fn is not None and type(fn).__name__.endswith("Backward"), label
-    saved = fn.saved_tensors
+def check_saved(label, saved, y, x, memory_efficient, rms, params):
+    """What the forward saved for backward, in order (None never appears).
+
+    memory_efficient saves the output, else the input, first; invvar last;
+    LayerNorm saves its mean too, unless memory_efficient.
+    """
+    assert len(saved) >= 2, label + ": saved %d tensors" % len(saved)
     first = saved[0]
     if memory_efficient:
         assert first.data_ptr() == y.data_ptr(), label + ": memory_efficient must save the output"
@@ -164,12 +170,14 @@ def check_saved(label, y, x, memory_efficient, rms, affine):
         assert first.dtype == x.dtype, label
     invvar = saved[-1]
     assert invvar.dtype == torch.float32 and invvar.dim() == 1, label + ": invvar"
-    if not rms:
-        mean = saved[3] if affine else saved[1]
-        if memory_efficient:
-            assert mean is None, label + ": memory_efficient LayerNorm saves no mean"
-        else:
-            assert mean is not None and mean.dtype == torch.float32, label + ": mean"
+    param_ptrs = {p.data_ptr() for p in params if p is not None}
+    stats = [t for t in saved[1:-1] if t.data_ptr() not in param_ptrs]
+    if rms or memory_efficient:
+        assert not stats, label + ": saves no mean"
+    else:
+        assert len(stats) == 1 and stats[0].dtype == torch.float32 and stats[0].dim() == 1, \
+            label + ": mean"
+        assert stats[0].numel() == invvar.numel(), label + ": mean and invvar of every row"
 
 
 FUNCTIONALS = {

@@ -14,6 +14,8 @@
 //   "normd error CODE (NAME): message"   the library refused the job.
 #include <atomic>
 #include <cctype>
+#include <cstdarg>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -61,17 +63,29 @@ auto &conns = *new std::unordered_map<int64_t, pid_t>;
 auto &client_keys = *new std::unordered_map<int64_t, int64_t>;
 const int fork_handler = pthread_atfork(nullptr, nullptr, [] { conns_lock = new std::mutex; });
 
+// Raises RuntimeError(message), formatted here with no ostream in between:
+// errors raised with TORCH_CHECK's streamed ints crashed the process on a GPU
+// machine whose c++ was /opt/gcc's g++ (BENCHMARKS.md, the compiled eager path).
+[[noreturn]] __attribute__((format(printf, 1, 2))) void throw_error(const char *format, ...)
+{
+	char message[1024];
+	va_list args;
+	va_start(args, format);
+	vsnprintf(message, sizeof message, format, args);
+	va_end(args);
+	TORCH_CHECK(false, static_cast<const char *>(message));
+}
+
 [[noreturn]] void fallback(const char *why)
 {
-	TORCH_CHECK(false, "normd-eager fallback: ", why);
+	throw_error("normd-eager fallback: %s", why);
 }
 
 [[noreturn]] void library_error(int rc)
 {
 	const char *name = status_name.load()(rc);
 	const char *message = last_error.load()();
-	TORCH_CHECK(false, "normd error ", rc, " (", name ? name : "?", "): ",
-		    message ? message : "");
+	throw_error("normd error %d (%s): %s", rc, name ? name : "?", message ? message : "");
 }
 
 nc_conn *live_conn(int64_t handle)
@@ -79,9 +93,9 @@ nc_conn *live_conn(int64_t handle)
 	std::lock_guard<std::mutex> hold(*conns_lock);
 	auto it = conns.find(handle);
 	if (it == conns.end() || it->second != getpid())
-		TORCH_CHECK(false, "normd error ", static_cast<int>(NC_EINVALID_ARGUMENT),
-			    " (INVALID_ARGUMENT): the client is closed, or was opened by another "
-			    "process (a forked child must open its own normd.Client)");
+		throw_error("normd error %d (INVALID_ARGUMENT): the client is closed, or was opened by "
+		      "another process (a forked child must open its own normd.Client)",
+		      static_cast<int>(NC_EINVALID_ARGUMENT));
 	return reinterpret_cast<nc_conn *>(handle);
 }
 
