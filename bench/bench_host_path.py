@@ -60,9 +60,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# The enqueue rows use the compiled eager operator, the enqueue-python rows the
-# package's Python path (NORMD_EAGER=0 here puts both on the Python path).
-os.environ.setdefault("NORMD_EAGER", "1")
+# The enqueue rows use the compiled eager operator (normd's default), the
+# enqueue-python rows the package's Python path (NORMD_EAGER=0 puts both there).
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "bindings" / "python"), str(REPO / "tests" / "python")]

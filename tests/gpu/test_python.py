@@ -172,8 +172,8 @@ def check_eager_path(daemon):
 
     Fresh clients of their own, so that closing one leaves the default client alone.
     """
-    if os.environ.get("NORMD_EAGER") != "1":
-        raise Skip("the operator is off (NORMD_EAGER=1 turns it on)")
+    if not normd.eager.enabled():
+        raise Skip("the operator is off (NORMD_EAGER=0)")
     assert normd.eager.norm_op() is not None, normd.eager.status()
     x = (torch.randn(64, 512, device=DEVICE) * 3 + 1).to(torch.bfloat16).requires_grad_()
     module = N.FusedRMSNorm(512, client=None).to(DEVICE, torch.bfloat16)
@@ -252,8 +252,8 @@ def fwd_bwd_against_torch(client, mode, dtype):
         if mode == "enqueue":
             client.check()
             assert (calls.enqueued, calls.ran) == (2, 0), (name, calls.enqueued, calls.ran)
-            # Through the compiled operator where NORMD_EAGER=1 turns it on.
-            eager = 2 if os.environ.get("NORMD_EAGER") == "1" else 0
+            # Through the compiled operator unless NORMD_EAGER=0 turns it off.
+            eager = 2 if normd.eager.enabled() else 0
             assert calls.eager == eager, (name, calls.eager, normd.eager.status())
         else:
             assert (calls.enqueued, calls.ran, calls.events) == \

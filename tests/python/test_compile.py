@@ -288,7 +288,7 @@ def run_steps(client, compiled, ref, device, dtype, batches, label, mark_dynamic
         after = jobs_ok(client, before + 4)
         assert after == before + 4, "%s batch %d: the daemon ran %d jobs, expected 4 " \
             "(2 forward, 2 backward)" % (label, batch, after - before)
-        if device != "cpu" and os.environ.get("NORMD_EAGER") == "1":
+        if device != "cpu" and normd.eager.enabled():
             # The ops' C++ kernels sent them (a step after the first, which tells them the key).
             sent = normd.eager.jobs() - eager_before
             assert sent == 4 or (sent < 4 and batch == batches[0]), (label, batch, sent)

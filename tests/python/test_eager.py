@@ -12,7 +12,7 @@ the library's refusals as NormdError, what it leaves to the Python path,
 a client closed before backward, a second derivative.
 
 Skipped without torch or a C++ compiler. The GPU side (the current stream,
-real jobs) is tests/gpu/test_python.py under NORMD_EAGER=1.
+real jobs) is tests/gpu/test_python.py (the operator is on by default).
 """
 
 import ctypes
@@ -501,3 +501,26 @@ def test_the_ops_kernels_hand_a_capturing_stream_to_python_and_raise_other_refus
 
     with pytest.raises(RuntimeError, match=r"normd error -\d+ \(UNSUPPORTED\): tensor x"):
         ops_paths(True, refused)
+
+
+# ---- the self-test of a fresh build -------------------------------------------------------
+
+
+def test_a_build_that_fails_its_self_test_is_recorded_and_not_used(monkeypatch, tmp_path):
+    # The library the operator fixture loaded passed the self-test: build() ran it.
+    built = eager.build()
+    assert not eager._failure_path(built).exists()
+    # A child that crashes (as one compiler's build did when raising an error).
+    monkeypatch.setattr(eager, "_CHILD_CODE", "import os; os.abort()")
+    target = tmp_path / "normd_eager-test.so"
+    with pytest.raises(RuntimeError, match="failed its self-test"):
+        eager._check_in_child(built, target)
+    with pytest.raises(RuntimeError, match="failed its self-test"):
+        eager._raise_recorded_failure(target)
+    # norm_op() warns and leaves every call to the Python path.
+    monkeypatch.setenv("NORMD_EAGER", "1")
+    monkeypatch.setattr(eager, "_state", {"op": None, "tried": False, "why": "", "path": None})
+    monkeypatch.setattr(eager, "_library_path", lambda torch: (target, eager._header_dir()))
+    with pytest.warns(RuntimeWarning, match="failed its self-test"):
+        assert eager.norm_op() is None
+    assert "failed its self-test" in eager.status()

@@ -23,11 +23,12 @@ what torch.compile calls) C++ kernels for CUDA tensors, which run the
 enqueue mode's common case and hand every other call to the ops' Python
 implementation.
 
-``NORMD_EAGER=1`` turns it on. It is off by default until it has passed
-the GPU tests (tests/gpu/run.sh runs test_python.py both ways; it was
-written in a session without GPU time). Where it cannot be built or
-loaded, normd warns once and the Python path runs instead (``status()``
-says why).
+It is on by default; ``NORMD_EAGER=0`` turns it off. A fresh build is
+loaded only after a child process has seen it raise each of its errors as a
+Python exception (``_self_test``); a build that fails is recorded and not
+tried again. Where it cannot be built, loaded or trusted, normd warns once
+(``NORMD_EAGER=0`` silences it) and the Python path runs instead
+(``status()`` says why).
 Everything the operator does not take (other completion modes, mixed
 dtypes, CPU tensors, autocast, torch.compile, any argument the Python path
 would refuse or convert) goes to the Python path as before, which also
@@ -131,11 +132,13 @@ def build(verbose=False):
     path, header_dir = _library_path(torch)
     if path.is_file():
         return path
+    _raise_recorded_failure(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.is_file():
             return path
+        _raise_recorded_failure(path)
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
         os.close(fd)
         try:
@@ -147,11 +150,112 @@ def build(verbose=False):
             if done.returncode != 0:
                 raise RuntimeError("building %s failed (exit %d):\n%s"
                                    % (SOURCE.name, done.returncode, done.stdout[-4000:]))
+            _check_in_child(tmp, path)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return path
+
+
+def _failure_path(path):
+    return path.with_suffix(".failed")
+
+
+def _raise_recorded_failure(path):
+    """A build whose self-test failed is not tried again (the key changes with the compiler)."""
+    failed = _failure_path(path)
+    if failed.is_file():
+        raise RuntimeError(failed.read_text())
+
+
+#: The child's command: _self_test on the freshly built library (argv[1]).
+_CHILD_CODE = "import sys; from normd.eager import _self_test; _self_test(sys.argv[1])"
+
+
+def _check_in_child(built, path):
+    """Runs _self_test on the built library in a child process; a failure is recorded
+    beside path and raised. A compiler whose code crashes when the operator raises an
+    error (seen once on a GPU machine) must cost the Python path, never the process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_HERE.parent), env.get("PYTHONPATH"))
+                                        if p)
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD_CODE, str(built)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=300)
+        failed = done.returncode != 0
+        why = "exit %d" % done.returncode, done.stdout
+    except subprocess.TimeoutExpired as e:
+        failed = True
+        why = "timed out after %d s" % e.timeout, e.output or ""
+    if failed:
+        message = ("the built operator failed its self-test (%s; %s, built with %s):\n%s"
+                   % (why[0], built, _compiler(), (why[1] or "")[-2000:]))
+        _failure_path(path).write_text(message)
+        raise RuntimeError(message)
+
+
+def _self_test(built):
+    """In a child process: the operator's errors reach Python as RuntimeErrors.
+
+    Its library entry points are ctypes stand-ins, so no daemon is needed. The
+    errors raised: a fallback, a closed client in forward, the library's
+    refusal, and a closed client in backward, there from the main thread and
+    from another (CUDA's backward runs on a thread of autograd's).
+    """
+    import torch
+
+    torch.ops.load_library(built)
+    ops = torch.ops.normd_eager
+    answer = [0]
+    enqueue = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p)(lambda *args: answer[0])
+    # The strings as addresses of buffers kept here (a c_char_p result would leak).
+    texts = [ctypes.create_string_buffer(b"refused by the self-test"),
+             ctypes.create_string_buffer(b"INVALID_ARGUMENT")]
+    message = ctypes.CFUNCTYPE(ctypes.c_void_p)(lambda: ctypes.addressof(texts[0]))
+    name = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int)(lambda rc: ctypes.addressof(texts[1]))
+    ops.bind(_address(enqueue), _address(message), _address(name), True)
+    library_error = re.compile(r"normd error -?\d+ \(INVALID_ARGUMENT\): ")
+
+    def expect(call, pattern):
+        try:
+            call()
+        except RuntimeError as e:
+            assert re.match(pattern, str(e)), "%r does not match %r" % (str(e)[:300], pattern)
+        else:
+            raise AssertionError("no error; expected %r" % pattern)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    handle = 1
+
+    def forward():
+        return ops.norm(x, w, None, [8], 1e-5, True, False, handle)
+
+    expect(lambda: ops.norm(x, w, None, [4], 1e-5, True, False, handle), re.escape(_FALLBACK))
+    expect(forward, library_error)  # never opened
+    ops.conn_opened(handle)
+    answer[0] = 5
+    expect(forward, library_error)
+    answer[0] = 0
+    outputs = [forward(), forward()]
+    ops.conn_closed(handle)
+    expect(lambda: outputs[0].sum().backward(), library_error)
+    raised = []
+
+    def backward_on_a_thread():
+        try:
+            expect(lambda: outputs[1].sum().backward(), library_error)
+            raised.append(True)
+        except AssertionError as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=backward_on_a_thread)
+    thread.start()
+    thread.join()
+    assert raised == [True], raised
 
 
 def _address(function):
@@ -204,6 +308,11 @@ def bind_key(key, client):
             torch.ops.normd_eager.client_key(0, handle)
 
 
+def enabled():
+    """Whether the operator is asked for: NORMD_EAGER unset or anything but 0."""
+    return os.environ.get("NORMD_EAGER", "1").strip() != "0"
+
+
 def norm_op(host_tensors=False):
     """The operator (a callable), or None where it is off or cannot be built.
 
@@ -215,8 +324,8 @@ def norm_op(host_tensors=False):
     with _lock:
         if _state["tried"]:
             return _state["op"]
-        if os.environ.get("NORMD_EAGER", "0").strip() != "1":
-            _state["why"] = "off (NORMD_EAGER=1 turns it on)"
+        if not enabled():
+            _state["why"] = "off (NORMD_EAGER=0)"
         else:
             try:
                 _state["op"] = _load(host_tensors)
@@ -224,7 +333,8 @@ def norm_op(host_tensors=False):
             except Exception as e:  # noqa: BLE001 - any failure means the Python path
                 _state["why"] = "cannot be used: %s" % e
                 warnings.warn("normd: the compiled eager path %s; normd.normalization "
-                              "runs its Python path instead (slower per call)"
+                              "runs its Python path instead (slower per call; "
+                              "NORMD_EAGER=0 chooses it without this warning)"
                               % _state["why"], RuntimeWarning, stacklevel=3)
         _state["tried"] = True
     return _state["op"]

@@ -29,7 +29,7 @@ Each op has a fake implementation (shapes and dtypes only, symbolic sizes
 allowed, so dynamic batch sizes compile once) and the forward ops have
 autograd registered, whose backward calls the backward op.
 
-With ``NORMD_EAGER=1`` the ops' CUDA kernels are C++ (normd/csrc/eager_norm.cpp,
+Unless ``NORMD_EAGER=0``, the ops' CUDA kernels are C++ (normd/csrc/eager_norm.cpp,
 loaded by normd.eager): they run the enqueue mode's common case without the
 Python below, and hand every other call to it (another completion mode, the
 mixed forms' float32 copies, arguments it would refuse, a client key they
@@ -88,7 +88,7 @@ def norm(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):
 def _client(key):
     """The Client a key names.
 
-    With NORMD_EAGER=1 the compiled operator is loaded here (at run time:
+    Unless NORMD_EAGER=0, the compiled operator is loaded here (at run time:
     never while Dynamo traces) and its kernels learn the key, so that they
     take the op's next calls (normd.eager).
     """
