@@ -190,8 +190,10 @@ def _check_in_child(built, path):
         failed = True
         why = "timed out after %d s" % e.timeout, e.output or ""
     if failed:
-        message = ("the built operator failed its self-test (%s; %s, built with %s):\n%s"
-                   % (why[0], built, _compiler(), (why[1] or "")[-2000:]))
+        message = ("the built operator failed its self-test (%s; %s, built with %s; "
+                   "remove %s to try again):\n%s"
+                   % (why[0], built, _compiler(), _failure_path(path),
+                      (why[1] or "")[-2000:]))
         _failure_path(path).write_text(message)
         raise RuntimeError(message)
 
