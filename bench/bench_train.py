@@ -24,7 +24,9 @@ Issue 18, item 6; `make bench-gpu` runs it. One run measures, on GPU 0:
   them). A step's time is wall time from a synchronized GPU to a
   synchronized GPU (torch.cuda.synchronize + perf_counter), so the host
   cost of sending normd's jobs counts as it does in a training loop that
-  reads its loss every step. The variants of one d_model take their steps
+  reads its loss every step; a third table gives the host's part (until the
+  step's last launch returned), which says whether the Python thread or the
+  GPU bounds the step. The variants of one d_model take their steps
   in interleaved rounds (a few steps each, in turn), so that clock and
   thermal drift fall on all of them alike; the table gives the median
   step and its ratio to PyTorch's own (eager to eager, compiled to
@@ -408,6 +410,7 @@ class Variant:
         self.impl, self.mode, self.compiled = impl, mode, compiled
         self.fn = None
         self.times = []
+        self.host_times = []  # until the step's last launch returned, before the sync
         self.check = None
         self.error = None
         self.skipped = None
@@ -420,8 +423,9 @@ class Variant:
 
     def record(self, norm, d, base_ms):
         ms = statistics.median(self.times) if self.times and not self.error else None
+        host_ms = statistics.median(self.host_times) if ms and self.host_times else None
         return dict(norm=norm, d_model=d, impl=self.impl, mode=self.mode,
-                    compiled=self.compiled, column=self.column, ms=ms,
+                    compiled=self.compiled, column=self.column, ms=ms, host_ms=host_ms,
                     ratio=ms / base_ms if ms and base_ms else None, step_ms=self.times,
                     check=self.check, error=self.error, skipped=self.skipped,
                     first_step_s=self.first_step_s, graph_breaks=self.graph_breaks)
@@ -597,15 +601,18 @@ class Group:
                     expected_jobs=expected_jobs)
 
     def time_steps(self, v, count):
-        """`count` steps, each from a synchronized GPU to a synchronized GPU."""
+        """`count` steps, each from a synchronized GPU to a synchronized GPU; also the
+        host's part, until the step's last launch (and normd job) has been sent."""
         opt = self.opts[v.impl]
         with completion(v.mode):
             for _ in range(count):
                 self.w.sync()
                 start = time.perf_counter()
                 loss = train_step(v.fn, opt, self.x, self.target)
+                launched = time.perf_counter()
                 self.w.sync()
                 v.times.append((time.perf_counter() - start) * 1e3)
+                v.host_times.append((launched - start) * 1e3)
         if not torch.isfinite(loss).item():
             raise RuntimeError("the loss is %s" % loss.item())
 
@@ -895,6 +902,18 @@ def print_train_tables(norm, records, args):
     for d, c in rows:
         print("| %d | %s | %s |" % (d, "compiled" if c else "eager",
                                     " | ".join(checked(cells.get((d, c, col))) for col in columns)))
+
+    def host(r):
+        if r is None or not r.get("host_ms"):
+            return "-"
+        return "%.2f (%.2f)" % (r["host_ms"], r["host_ms"] / r["ms"])
+
+    print("\n%s: the host's part of the step, ms until its last launch returned (share of "
+          "the step; near 1: bound by the Python thread, well below: by the GPU)\n" % title)
+    print(head)
+    for d, c in rows:
+        print("| %d | %s | %s |" % (d, "compiled" if c else "eager",
+                                    " | ".join(host(cells.get((d, c, col))) for col in columns)))
     compiled = [r for r in records if r["compiled"] and r.get("first_step_s") is not None]
     if compiled:
         print("\nCompiled, first step (compilation and check), s: " + "; ".join(
