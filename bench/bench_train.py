@@ -84,6 +84,7 @@ import datetime
 import json
 import math
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -153,6 +154,8 @@ def parse_args(argv):
                    help="--mps: without MPS, then under an MPS daemon of our own; "
                         "--mps only: under MPS alone")
     p.add_argument("--build", default="build", help="the build directory (build)")
+    p.add_argument("--daemon-args", default="",
+                   help="more options for the normd it starts, e.g. \"--busy_poll_us 5000\"")
     p.add_argument("--json", metavar="FILE", help="also write every result as JSON")
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("--mps-label", default="off", help=argparse.SUPPRESS)
@@ -686,7 +689,8 @@ class Worker:
         if not socket:
             from normd_daemon import Daemon
             self.daemon = Daemon(self.build / "bin" / "normd", "0" if self.cuda else "cpu",
-                                 log_level="info", start_timeout=60, stop_timeout=30)
+                                 *shlex.split(args.daemon_args), log_level="info",
+                                 start_timeout=60, stop_timeout=30)
             socket = self.daemon.socket
         self.client = normd.Client(socket, name="bench_train")
         normd.set_default_client(self.client)
@@ -749,15 +753,17 @@ class Worker:
             normd_library=normd.library_path(),
             normd_server=self.client.server_info["version"],
             daemon=("own, " + self.daemon.socket) if self.daemon else
-            ("$NORMD_SOCKET=" + self.client.socket),
+            ("$NORMD_SOCKET=" + self.client.socket), daemon_args=args.daemon_args,
             mps=mps, mps_requested=self.out["mps_requested"],
             alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             layers=args.layers, tokens=args.tokens, batch=batch, seq=args.seq,
             head_dim=args.head_dim, steps=args.steps, rounds=args.rounds, warmup=args.warmup)
         self.out["config"] = info
         print("GPU: %s; torch %s; apex: %s" % (gpu, info["torch"], info["apex"]))
-        print("normd %s, daemon %s; library %s" % (info["normd_server"], info["daemon"],
-                                                   info["normd_library"]))
+        print("normd %s, daemon %s%s; library %s"
+              % (info["normd_server"], info["daemon"],
+                 " " + args.daemon_args if self.daemon and args.daemon_args else "",
+                 info["normd_library"]))
         print("MPS: %s (normd's stats)%s" % (mps, "; an MPS daemon of ours was started"
                                              if info["mps_requested"] else ""))
         print("date %s, commit %s" % (info["date"], info["commit"]))
