@@ -184,18 +184,17 @@ def _check_in_child(built, path):
         done = subprocess.run([sys.executable, "-c", _CHILD_CODE, str(built)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=300)
-        failed = done.returncode != 0
-        why = "exit %d" % done.returncode, done.stdout
+        if done.returncode == 0:
+            return
+        how, output = "exit %d" % done.returncode, done.stdout
     except subprocess.TimeoutExpired as e:
-        failed = True
-        why = "timed out after %d s" % e.timeout, e.output or ""
-    if failed:
-        message = ("the built operator failed its self-test (%s; %s, built with %s; "
-                   "remove %s to try again):\n%s"
-                   % (why[0], built, _compiler(), _failure_path(path),
-                      (why[1] or "")[-2000:]))
-        _failure_path(path).write_text(message)
-        raise RuntimeError(message)
+        how = "timed out after %d s" % e.timeout
+        output = (e.output or b"").decode(errors="replace")  # bytes, text=True or not
+    message = ("the built operator failed its self-test (%s; %s, built with %s; "
+               "remove %s to try again):\n%s"
+               % (how, built, _compiler(), _failure_path(path), output[-2000:]))
+    _failure_path(path).write_text(message)
+    raise RuntimeError(message)
 
 
 def _self_test(built):
