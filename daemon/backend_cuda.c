@@ -42,6 +42,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include "daemon/log.h"
@@ -140,6 +141,7 @@ struct backend_cuda {
 	int device_count;
 	bool autotune;
 	uint64_t busy_poll_us;           /* config: spin before sleeping */
+	uint64_t enqueue_spin_us;        /* config: launchers spin while jobs wait this long */
 	atomic_bool fatal;
 	char fatal_message[96];           /* written once, by whoever set `fatal` */
 };
@@ -929,18 +931,23 @@ static bool launcher_take(struct cuda_launcher *l, bool may_sleep)
 }
 
 /*
- * The launcher: polls the ready words of its waiting jobs (yielding between
- * passes, then sleeping a little while nothing moves) and sleeps on its
- * condition variable when nothing waits, after busy_poll_us of spinning.
+ * The launcher: polls the ready words of its waiting jobs without sleeping
+ * (yielding between passes) for enqueue_spin_us after its last launch or new
+ * job, then every 20 us; with nothing waiting it spins busy_poll_us and then
+ * sleeps on its condition variable. A training step's host runs ahead of its
+ * GPU, so its jobs wait: a sleeping launcher would add its sleep to each.
  */
 static void launcher_main(void *arg)
 {
 	struct cuda_launcher *l = arg;
-	uint64_t spin_ns = l->dev->backend->busy_poll_us * 1000;
+	uint64_t idle_spin_ns = l->dev->backend->busy_poll_us * 1000;
+	uint64_t wait_spin_ns = l->dev->backend->enqueue_spin_us * 1000;
 	uint64_t last_progress = stats_now_ns();
+	/* nanosleep(20 us) takes 90-100 us under the default 50 us timer slack. */
+	prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
 	cudaSetDevice(l->dev->ordinal);
 	for (;;) {
-		bool idle = !l->waiting && stats_now_ns() - last_progress > spin_ns;
+		bool idle = !l->waiting && stats_now_ns() - last_progress > idle_spin_ns;
 		struct job *newest = l->waiting_tail;
 		if (!launcher_take(l, idle && atomic_load(&l->queued) == 0))
 			break;
@@ -956,7 +963,7 @@ static void launcher_main(void *arg)
 			last_progress = stats_now_ns();
 		} else if (atomic_load(&l->queued) == 0) {
 			uint64_t quiet = stats_now_ns() - last_progress;
-			if (quiet < spin_ns) {
+			if (quiet < (l->waiting ? wait_spin_ns : idle_spin_ns)) {
 				sched_yield();
 			} else if (l->waiting) {
 				/* Clients whose GPUs are far behind: look every 20 us, not constantly. */
@@ -1344,6 +1351,7 @@ int backend_cuda_create(const struct config *cfg, struct backend **out)
 	cuda->autotune = cfg->autotune;
 	cuda->base.norm_features = NK_FEATURES_ALL; /* the fused family (kernels/norm_cuda_fused.cu) */
 	cuda->busy_poll_us = cfg->busy_poll_us;
+	cuda->enqueue_spin_us = cfg->enqueue_spin_us;
 	cuda->base.poll_completions = cfg->busy_poll_us > 0;
 	cuda->devices = nc__calloc((size_t)count, sizeof(*cuda->devices));
 	cuda->described = nc__calloc((size_t)count, sizeof(*cuda->described));
