@@ -651,6 +651,10 @@ NC_API int nc_connect(const char *socket_path, const char *client_name, int time
 	if (!socket_path || !out)
 		return nc__fail(NC_EINVALID_ARGUMENT, "socket_path and out must not be NULL");
 	nc_conn *conn = nc__calloc(1, sizeof(*conn));
+	if (conn && nc__region_index_init(&conn->index) != 0) {
+		nc__free(conn);
+		conn = NULL;
+	}
 	if (!conn)
 		return nc__fail(NC_ENOMEM, "out of memory for a connection");
 	conn->fd = -1;

@@ -136,7 +136,8 @@ static int vmm_region_register(nc_conn *conn, int device, const struct nk_cuda_v
 	int rc = 0;
 	nc_region *region = nc__calloc(1, sizeof(*region));
 	struct nk_cuda_vmm_chunk *copy = nc__calloc(count, sizeof(*copy));
-	if (!region || !copy) {
+	struct nc__chunk_ref *refs = nc__calloc(count, sizeof(*refs));
+	if (!region || !copy || !refs) {
 		rc = nc__fail(NC_ENOMEM, "out of memory for a region");
 		goto out;
 	}
@@ -160,6 +161,7 @@ static int vmm_region_register(nc_conn *conn, int device, const struct nk_cuda_v
 	region->device = device;
 	region->chunk_count = count;
 	region->chunks = copy;
+	region->chunk_refs = refs;
 
 	Normd__RegisterRegion reg = NORMD__REGISTER_REGION__INIT;
 	reg.region_id = region->id;
@@ -179,6 +181,7 @@ out:
 		close(fds[i]);
 	if (rc) {
 		nc__free(copy);
+		nc__free(refs);
 		nc__free(region);
 		return rc;
 	}
@@ -267,6 +270,7 @@ static void device_sweep_stale(nc_conn *conn)
 		nc_region *r = *p;
 		if (r->lazy && device_region_stale(r)) {
 			*p = r->next;
+			nc__region_unindex(r);
 			r->next = stale;
 			stale = r;
 			continue;
@@ -278,8 +282,7 @@ static void device_sweep_stale(nc_conn *conn)
 		nc_region *r = stale;
 		stale = r->next;
 		nc__region_unregister(r);
-		nc__free(r->chunks);
-		nc__free(r);
+		nc__region_release(r);
 	}
 }
 
@@ -289,7 +292,7 @@ static bool lazy_tensor_lookup(nc_conn *conn, unsigned long long buffer_id, cons
 {
 	bool found = false;
 	pthread_mutex_lock(&conn->lock);
-	for (nc_region *r = conn->regions; r; r = r->next) {
+	for (nc_region *r = nc__region_buffer_chain(conn, buffer_id); r; r = r->buffer_next) {
 		if (r->lazy && r->chunk_count == 0 && r->buffer_id == buffer_id) {
 			out->region = r->id;
 			out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)r->data);
@@ -334,17 +337,15 @@ static bool vmm_tensor_lookup(nc_conn *conn, int device, const struct nk_cuda_vm
 {
 	bool found = false;
 	pthread_mutex_lock(&conn->lock);
-	for (nc_region *r = conn->regions; r && !found; r = r->next) {
-		if (!r->lazy || r->chunk_count < count || r->device != device ||
-		    chunks[0].base < r->chunks[0].base)
+	for (struct nc__chunk_ref *ref = nc__region_chunk_chain(conn, chunks[0].base);
+	     ref && !found; ref = ref->next) {
+		const nc_region *r = ref->region;
+		unsigned k = ref->index;
+		if (!r->lazy || r->device != device || r->chunks[k].base != chunks[0].base ||
+		    k + count > r->chunk_count)
 			continue;
-		for (unsigned k = 0; k + count <= r->chunk_count; k++) {
-			if (r->chunks[k].base != chunks[0].base)
-				continue;
-			found = vmm_chunks_equal(&r->chunks[k], chunks, count) &&
-				vmm_others_current(r, k, count);
-			break;
-		}
+		found = vmm_chunks_equal(&r->chunks[k], chunks, count) &&
+			vmm_others_current(r, k, count);
 		if (found) {
 			out->region = r->id;
 			out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)r->data);

@@ -149,23 +149,13 @@ uint64_t nc__role_bytes(const struct nc_job *job, const struct nc_job_ext *ext, 
 	return bytes;
 }
 
-/* The region of a tensor (conn->lock held), or NULL. */
-static const nc_region *region_of(nc_conn *conn, uint64_t id)
-{
-	for (const nc_region *r = conn->regions; r; r = r->next) {
-		if (r->id == id)
-			return r;
-	}
-	return NULL;
-}
-
 /* One tensor's region, bounds, alignment and device; its span for the alias check. */
 static int check_tensor(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
 			enum nc__job_role role, struct nc_tensor t, int *device,
 			struct nc__span *span)
 {
 	const char *name = nc__job_role_name(role);
-	const nc_region *r = region_of(conn, t.region);
+	const nc_region *r = nc__region_find(conn, t.region);
 	uint64_t elems, bytes, end;
 	size_t size;
 	role_shape(job, ext, role, &elems, &size);

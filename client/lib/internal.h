@@ -19,6 +19,13 @@
 
 struct nk_cuda_vmm_chunk;
 
+/* One VMM mapping of a region, as the connection's index finds it by address. */
+struct nc__chunk_ref {
+	nc_region *region;
+	unsigned index;               /* into region->chunks */
+	struct nc__chunk_ref *next;   /* the index's bucket chain */
+};
+
 /* A registered region: host memory mapped here, or device memory. */
 struct nc_region {
 	nc_conn *conn;
@@ -29,8 +36,22 @@ struct nc_region {
 	unsigned long long buffer_id; /* cudaMalloc memory: the driver's allocation id */
 	unsigned chunk_count;       /* VMM memory: its mappings (0: not VMM) */
 	struct nk_cuda_vmm_chunk *chunks; /* VMM memory: each mapping as registered */
+	struct nc__chunk_ref *chunk_refs; /* VMM memory: one per chunk, for the index */
 	bool lazy;                  /* registered by nc_tensor_device(), owned by conn */
 	struct nc_region *next;     /* conn's list of its regions */
+	struct nc_region *id_next, *buffer_next; /* the index's bucket chains */
+};
+
+/*
+ * A connection's regions by id, by cudaMalloc allocation (buffer id) and by
+ * VMM mapping address: a job's tensors are found without walking every
+ * region (a training process registers hundreds). Under conn->lock.
+ */
+struct nc__region_index {
+	nc_region **by_id, **by_buffer;
+	struct nc__chunk_ref **by_chunk;
+	size_t buckets;               /* of each table, a power of two */
+	size_t entries;               /* ids, buffer ids and chunks filed */
 };
 
 /* A reply that arrived for a request no thread has claimed yet. */
@@ -72,6 +93,7 @@ struct nc_conn {
 	struct nc_server_info info;
 	uint32_t norm_features;      /* HelloReply.norm_features (enum nc_norm_features) */
 	struct nc_region *regions;  /* every region registered and not yet freed */
+	struct nc__region_index index; /* the same regions, looked up by key */
 	struct nc__events *events;  /* IPC events of the event mode, made on first use */
 	struct nc__enqueue *enqueue; /* semaphore slots of the enqueue mode, made on first use */
 };
@@ -124,12 +146,24 @@ int nc__job_submit_event(nc_conn *conn, const struct nc_job *job, const struct n
 int nc__job_wait_event(nc_conn *conn, uint64_t request_id, int timeout_ms,
 		       struct nc_job_result *result, uint8_t *done_event);
 
-/* Adds a registered region to its connection's list (lock taken inside). */
+/* Adds a registered region to its connection's list and index (lock taken inside). */
 void nc__region_track(nc_region *region);
+/* Takes a listed region out of the index (conn->lock held; the caller unlinks it). */
+void nc__region_unindex(nc_region *region);
 /* Sends UnregisterRegion for it; returns the daemon's status. */
 int nc__region_unregister(nc_region *region);
+/* Unmaps host memory and frees the region (no message). */
+void nc__region_release(nc_region *region);
 /* Unmaps and frees every region still listed (at nc_close; no messages). */
 void nc__regions_release_all(nc_conn *conn);
+/* The index's first buckets; NC_ENOMEM (at nc_connect). */
+int nc__region_index_init(struct nc__region_index *index);
+void nc__region_index_free(struct nc__region_index *index);
+/* The region with this id (conn->lock held), or NULL. */
+nc_region *nc__region_find(nc_conn *conn, uint64_t id);
+/* The chains holding regions of this buffer id / chunks mapped at this address: filter by key. */
+nc_region *nc__region_buffer_chain(nc_conn *conn, unsigned long long buffer_id);
+struct nc__chunk_ref *nc__region_chunk_chain(nc_conn *conn, uint64_t base);
 /* Destroys the connection's IPC events (at nc_close). */
 void nc__events_release(nc_conn *conn);
 

@@ -187,6 +187,40 @@ static void test_local_errors_are_synchronous(void **state)
 }
 
 /*
+ * 400 regions on one connection, every other one freed (and one freed id
+ * named on purpose): the library's region index finds each live one through
+ * its growth and removals, and refuses the freed ids before sending.
+ */
+static void test_many_regions_found_after_frees(void **state)
+{
+	(void)state;
+	enum { KITS = 400 };
+	nc_conn *conn = connect_or_fail(group_daemon.socket);
+	static struct jobkit kits[KITS];
+	for (int i = 0; i < KITS; i++) {
+		struct jobkit_spec spec = {.op = NC_RMSNORM_FWD, .rows = 2, .cols = 8 + (uint64_t)i % 40,
+					   .dtype = NC_F32, .gamma = true, .seed = (uint64_t)i + 1};
+		assert_int_equal(jobkit_create(conn, &spec, &kits[i]), NC_OK);
+	}
+	for (int i = 0; i < KITS; i += 2) {
+		struct nc_job job = kits[i].job;
+		jobkit_destroy(&kits[i]);
+		assert_int_equal(nc_job_enqueue(conn, &job, NULL), NC_ENOT_FOUND);
+	}
+	for (int i = 1; i < KITS; i += 2)
+		assert_int_equal(nc_job_enqueue(conn, &kits[i].job, NULL), NC_OK);
+	assert_int_equal(nc_stream_wait(conn, NULL, 30000), NC_OK);
+	int failures = 0;
+	for (int i = 1; i < KITS; i += 2) {
+		struct jobkit_report report;
+		failures += !jobkit_check(&kits[i], &report);
+		jobkit_destroy(&kits[i]);
+	}
+	nc_close(conn);
+	assert_int_equal(failures, 0);
+}
+
+/*
  * nc_job_enqueue_device on the CPU backend: NULL pointers keep the job's own
  * (host) tensors, so the job runs as nc_job_enqueue's would; a pointer the
  * CUDA driver does not know (here a host address, and no driver at all) is
@@ -473,6 +507,7 @@ int main(void)
 		cmocka_unit_test(test_every_op_matches_reference),
 		cmocka_unit_test(test_dependent_chain_runs_in_order),
 		cmocka_unit_test(test_local_errors_are_synchronous),
+		cmocka_unit_test(test_many_regions_found_after_frees),
 		cmocka_unit_test(test_enqueue_device_pointers),
 		cmocka_unit_test(test_daemon_error_is_asynchronous),
 		cmocka_unit_test(test_limit_pauses_instead_of_refusing),
