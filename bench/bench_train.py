@@ -419,6 +419,7 @@ class Variant:
         self.skipped = None
         self.first_step_s = None
         self.graph_breaks = None
+        self.regions_added = 0  # normd: the daemon's regions gained over the timed steps
 
     @property
     def column(self):
@@ -431,7 +432,8 @@ class Variant:
                     compiled=self.compiled, column=self.column, ms=ms, host_ms=host_ms,
                     ratio=ms / base_ms if ms and base_ms else None, step_ms=self.times,
                     check=self.check, error=self.error, skipped=self.skipped,
-                    first_step_s=self.first_step_s, graph_breaks=self.graph_breaks)
+                    first_step_s=self.first_step_s, graph_breaks=self.graph_breaks,
+                    regions_added=self.regions_added)
 
 
 class Group:
@@ -525,6 +527,10 @@ class Group:
             count = min(per_round, self.args.steps - r * per_round)
             for v in (v for v in live if not v.error and count > 0):
                 self.attempt(v, lambda v: self.time_steps(v, count))
+        for v in (v for v in live if v.impl == "normd" and not v.error):
+            print("  %-14s %-8s daemon regions gained over the timed steps: %d" % (
+                v.column, "compiled" if v.compiled else "eager", v.regions_added),
+                file=sys.stderr, flush=True)
         base = next((v for v in variants if v.impl == "torch"), None)
         base_ms = statistics.median(base.times) if base and base.times and not base.error \
             else None
@@ -607,6 +613,8 @@ class Group:
         """`count` steps, each from a synchronized GPU to a synchronized GPU; also the
         host's part, until the step's last launch (and normd job) has been sent."""
         opt = self.opts[v.impl]
+        # Regions registered while timing (none once the allocator's blocks repeat).
+        regions = self.w.client.stats()["regions"] if v.impl == "normd" else 0
         with completion(v.mode):
             for _ in range(count):
                 self.w.sync()
@@ -616,6 +624,8 @@ class Group:
                 self.w.sync()
                 v.times.append((time.perf_counter() - start) * 1e3)
                 v.host_times.append((launched - start) * 1e3)
+        if v.impl == "normd":
+            v.regions_added += self.w.client.stats()["regions"] - regions
         if not torch.isfinite(loss).item():
             raise RuntimeError("the loss is %s" % loss.item())
 

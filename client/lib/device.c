@@ -13,29 +13,49 @@
  *
  * VMM memory (cuMemCreate chunks mapped back to back, as PyTorch's
  * expandable segments are): a region is the consecutive mappings that cover
- * the tensor that asked for it, each exported as a POSIX fd, all sent in one
- * RegisterRegion frame; tensors are offsets from the first mapping's start.
- * The hazard is a chunk unmapped and another created at the same address:
- * the daemon's import still holds the old memory, so a cached registration
- * must never serve it. The rule: a cached VMM region serves a tensor only
- * if every one of its mappings is, at this call, the same mapping (start,
- * size) of the same physical allocation (the driver's memory block id,
- * unique for the process's life) as when the region was registered. The
- * touched mappings alone would make the job right (its bytes, bounds-checked
- * by the daemon, lie in them), but a region with any chunk changed is stale,
- * and the sweep at the next cache miss (the job's next tensor, say)
- * unregisters it, as freed cudaMalloc allocations are: it must not be
- * handed out first.
+ * the tensor that asked for it and, around them, up to VMM_RUN_CHUNKS
+ * mapped neighbours (one registration serves the tensors the allocator
+ * places near it on later steps; a region per tensor's own chunks made a
+ * training step register a region or two a step), each exported as a
+ * POSIX fd, all sent in one RegisterRegion frame; tensors are offsets from
+ * the first mapping's start. The hazard is a chunk unmapped and another
+ * created at the same address: the daemon's import still holds the old
+ * memory, so a cached registration must never serve it. The rule: a cached
+ * VMM region serves a tensor only if the mappings the tensor touches are, at
+ * this call, the same mappings (start, size) of the same physical
+ * allocations (the driver's memory block id, unique for the process's life)
+ * as when the region was registered, which makes the job right (its bytes,
+ * bounds-checked by the daemon, lie in them). Its other mappings are checked
+ * too, at most every VMM_RECHECK_NS (each is a driver query): a region with
+ * any chunk changed is marked stale and never given out again, and a sweep
+ * unregisters it once VMM_GRACE_NS have passed since it was last given out
+ * (a job naming it must reach the daemon first), so that the daemon lets go
+ * of memory the process freed.
  */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "client/lib/internal.h"
 #include "kernels/cuda_driver.h"
 #include "proto/frame.h"
 #include "proto/job_roles.h"
+
+/* How often a VMM region given out for the chunks a tensor touches has all its chunks checked. */
+#define VMM_RECHECK_NS 100000000ull
+/* How long a stale VMM region stays registered after it was last given out (its job is sent). */
+#define VMM_GRACE_NS 100000000ull
+/* The mappings a new VMM region takes in around the tensor that asked for it. */
+#define VMM_RUN_CHUNKS 32
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 static int device_region_register(nc_conn *conn, const struct nk_cuda_pointer_info *info,
 				  nc_region **out)
@@ -256,26 +276,46 @@ static bool device_region_stale(const nc_region *r)
 	return false;
 }
 
+/* Marks a lazy VMM region stale (conn->lock held): no lookup gives it out again. */
+static void vmm_mark_stale(nc_conn *conn, nc_region *r)
+{
+	if (!r->stale) {
+		r->stale = true;
+		conn->stale_vmm_regions++;
+	}
+}
+
 /*
  * Unregisters the lazily registered regions whose memory is gone (freed, or
  * its address reused by another allocation; for VMM memory, any chunk
  * unmapped or remapped): otherwise the daemon's mapping would keep freed
- * memory alive. Called on a cache miss.
+ * memory alive. A VMM region given out less than VMM_GRACE_NS ago is only
+ * marked: the job that names it may not have been sent yet. Called on a
+ * cache miss, and after a hit while marked regions wait.
  */
 static void device_sweep_stale(nc_conn *conn)
 {
 	nc_region *stale = NULL;
+	uint64_t now = now_ns();
 	pthread_mutex_lock(&conn->lock);
+	conn->last_sweep_ns = now;
 	for (nc_region **p = &conn->regions; *p;) {
 		nc_region *r = *p;
-		if (r->lazy && device_region_stale(r)) {
-			*p = r->next;
-			nc__region_unindex(r);
-			r->next = stale;
-			stale = r;
+		if (!r->lazy || !(r->stale || device_region_stale(r))) {
+			p = &r->next;
 			continue;
 		}
-		p = &r->next;
+		if (r->chunk_count && now - r->handed_ns < VMM_GRACE_NS) {
+			vmm_mark_stale(conn, r);
+			p = &r->next;
+			continue;
+		}
+		if (r->stale)
+			conn->stale_vmm_regions--;
+		*p = r->next;
+		nc__region_unindex(r);
+		r->next = stale;
+		stale = r;
 	}
 	pthread_mutex_unlock(&conn->lock);
 	while (stale) {
@@ -329,36 +369,80 @@ static bool vmm_others_current(const nc_region *r, unsigned k, unsigned count)
 /*
  * The tensor at `ptr` in a lazily registered VMM region that holds all of
  * `chunks` (the mappings the tensor touches, as they are now) as they were
- * registered, and whose other chunks are current too: the staleness rule at
- * the top of this file.
+ * registered: the staleness rule at the top of this file.
  */
 static bool vmm_tensor_lookup(nc_conn *conn, int device, const struct nk_cuda_vmm_chunk *chunks,
 			      unsigned count, const void *ptr, struct nc_tensor *out)
 {
 	bool found = false;
+	uint64_t now = now_ns();
 	pthread_mutex_lock(&conn->lock);
 	for (struct nc__chunk_ref *ref = nc__region_chunk_chain(conn, chunks[0].base);
 	     ref && !found; ref = ref->next) {
-		const nc_region *r = ref->region;
+		nc_region *r = ref->region;
 		unsigned k = ref->index;
-		if (!r->lazy || r->device != device || r->chunks[k].base != chunks[0].base ||
-		    k + count > r->chunk_count)
+		if (!r->lazy || r->stale || r->device != device || r->chunks[k].base != chunks[0].base ||
+		    k + count > r->chunk_count || !vmm_chunks_equal(&r->chunks[k], chunks, count))
 			continue;
-		found = vmm_chunks_equal(&r->chunks[k], chunks, count) &&
-			vmm_others_current(r, k, count);
-		if (found) {
-			out->region = r->id;
-			out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)r->data);
+		if (now - r->checked_ns >= VMM_RECHECK_NS) {
+			if (!vmm_others_current(r, k, count)) {
+				vmm_mark_stale(conn, r);
+				continue;
+			}
+			r->checked_ns = now;
+		}
+		r->handed_ns = now;
+		out->region = r->id;
+		out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)r->data);
+		found = true;
+	}
+	bool reap = found && conn->stale_vmm_regions > 0 && now - conn->last_sweep_ns >= VMM_GRACE_NS;
+	pthread_mutex_unlock(&conn->lock);
+	if (reap)
+		device_sweep_stale(conn);
+	return found;
+}
+
+/*
+ * Grows the run chunks[0..n) over the mappings next to it, to VMM_RUN_CHUNKS
+ * at most: one registration then serves the tensors around this one too,
+ * wherever the allocator places them on later steps. Returns the new count.
+ */
+static unsigned vmm_extend(int device, struct nk_cuda_vmm_chunk chunks[NC_VMM_MAX_CHUNKS],
+			   unsigned n)
+{
+	bool back = true, forward = true;
+	while (n < VMM_RUN_CHUNKS && (back || forward)) {
+		struct nk_cuda_vmm_chunk c;
+		const char *why;
+		if (forward) {
+			uint64_t end = chunks[n - 1].base + chunks[n - 1].size;
+			forward = nk_cuda_vmm_chunks((const void *)(uintptr_t)end, 1, device, &c, 1,
+						     &why) == 1 && c.base == end;
+			if (forward)
+				chunks[n++] = c;
+		}
+		if (back && n < VMM_RUN_CHUNKS) {
+			uint64_t start = chunks[0].base;
+			back = start > 0 &&
+			       nk_cuda_vmm_chunks((const void *)(uintptr_t)(start - 1), 1, device, &c,
+						  1, &why) == 1 &&
+			       c.base + c.size == start;
+			if (back) {
+				memmove(chunks + 1, chunks, n * sizeof(*chunks));
+				chunks[0] = c;
+				n++;
+			}
 		}
 	}
-	pthread_mutex_unlock(&conn->lock);
-	return found;
+	return n;
 }
 
 /* Files a region registered for a tensor no cached region served in the cache; fills *out. */
 static int lazy_register(const void *ptr, nc_region *region, struct nc_tensor *out)
 {
 	region->lazy = true;
+	region->checked_ns = region->handed_ns = now_ns();
 	nc__region_track(region);
 	out->region = region->id;
 	out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)region->data);
@@ -376,6 +460,7 @@ static int vmm_tensor(nc_conn *conn, const void *ptr, size_t bytes, int device,
 	if (vmm_tensor_lookup(conn, device, chunks, (unsigned)n, ptr, out))
 		return 0;
 	device_sweep_stale(conn);
+	n = (int)vmm_extend(device, chunks, (unsigned)n);
 	nc_region *region;
 	int rc = vmm_region_register(conn, device, chunks, (unsigned)n, &region);
 	return rc ? rc : lazy_register(ptr, region, out);

@@ -37,6 +37,9 @@ struct nc_region {
 	unsigned chunk_count;       /* VMM memory: its mappings (0: not VMM) */
 	struct nk_cuda_vmm_chunk *chunks; /* VMM memory: each mapping as registered */
 	struct nc__chunk_ref *chunk_refs; /* VMM memory: one per chunk, for the index */
+	uint64_t checked_ns;        /* VMM memory: when every chunk was last found current */
+	uint64_t handed_ns;         /* VMM memory: when a lookup last gave out a tensor in it */
+	bool stale;                 /* VMM memory: a chunk changed; never given out again */
 	bool lazy;                  /* registered by nc_tensor_device(), owned by conn */
 	struct nc_region *next;     /* conn's list of its regions */
 	struct nc_region *id_next, *buffer_next; /* the index's bucket chains */
@@ -94,6 +97,8 @@ struct nc_conn {
 	uint32_t norm_features;      /* HelloReply.norm_features (enum nc_norm_features) */
 	struct nc_region *regions;  /* every region registered and not yet freed */
 	struct nc__region_index index; /* the same regions, looked up by key */
+	unsigned stale_vmm_regions; /* lazy VMM regions marked stale, not yet unregistered */
+	uint64_t last_sweep_ns;     /* the last device_sweep_stale (device.c) */
 	struct nc__events *events;  /* IPC events of the event mode, made on first use */
 	struct nc__enqueue *enqueue; /* semaphore slots of the enqueue mode, made on first use */
 };
