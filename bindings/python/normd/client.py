@@ -224,8 +224,8 @@ class Client:
     Memory: ``host_array()``/``host_region()`` give shared host memory (CPU
     backend); CUDA torch tensors are registered on first use, one
     registration per cudaMalloc allocation, or with
-    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` per run of the
-    segment's chunks a tensor covers (``device_tensor()``), cached for the
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` per run of up to
+    32 mapped chunks around a tensor (``device_tensor()``), cached for the
     life of the connection (a chunk unmapped and mapped again is registered
     anew). Jobs: ``run()`` (waits; with ``stream=`` it
     orders the job after the work queued on that CUDA stream; with
