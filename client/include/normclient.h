@@ -309,17 +309,22 @@ NC_API struct nc_tensor nc_tensor_at(const nc_region *region, const void *ptr);
  * memory is cached per connection by the driver's allocation id, so memory
  * freed and allocated again at the same address is registered anew. VMM
  * memory (see nc_region_register_device) is registered by the mappings
- * that cover the tensor, and a registration is reused for a tensor that
- * lies in it only while every one of its mappings is still the physical
- * allocation it was registered with (the driver's memory block id, address
- * and size): a chunk unmapped and created again at the same address is
- * registered anew, never served from the stale registration. Such regions belong to
- * the connection: whenever new memory is registered, those whose memory has
- * been freed or remapped are unregistered (so the daemon's mapping does not
- * keep freed memory alive), and nc_close() releases the rest. NULL gives
- * the absent tensor. Any thread. nc_tensor_device() knows only the tensor's
- * first byte: for VMM memory, where a tensor may span several mappings,
- * use nc_tensor_device_range().
+ * that cover the tensor and, with nc_tensor_device_range(), up to 32 mapped
+ * neighbours; a registration serves a tensor that lies in it only while the
+ * mappings the tensor covers are still the physical allocations they were
+ * registered with (the driver's memory block id, address and size): a
+ * chunk unmapped and created again at the same address is registered anew,
+ * never served from the stale registration. With nc_tensor_device(), which
+ * knows only the first byte, every mapping of the registration must be.
+ * Such regions belong to the connection: those whose memory has been freed
+ * or remapped are unregistered when new memory is registered and, for VMM
+ * memory, at least every 100 ms while the connection is used (so the
+ * daemon's mapping does not keep freed memory alive), and nc_close()
+ * releases the rest. A tensor returned here is meant for the next job: a
+ * registration may go once its memory, or a neighbouring mapping's, has
+ * changed. NULL gives the absent tensor. Any thread. nc_tensor_device()
+ * knows only the tensor's first byte: for VMM memory, where a tensor may
+ * span several mappings, use nc_tensor_device_range().
  */
 NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *out);
 

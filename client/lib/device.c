@@ -27,10 +27,16 @@
  * as when the region was registered, which makes the job right (its bytes,
  * bounds-checked by the daemon, lie in them). Its other mappings are checked
  * too, at most every VMM_RECHECK_NS (each is a driver query): a region with
- * any chunk changed is marked stale and never given out again, and a sweep
- * unregisters it once VMM_GRACE_NS have passed since it was last given out
- * (a job naming it must reach the daemon first), so that the daemon lets go
- * of memory the process freed.
+ * any chunk changed is marked stale and never given out again. A sweep (at
+ * a miss, and after a hit every VMM_RECHECK_NS while the connection has VMM
+ * regions) unregisters it unless a job being assembled by
+ * nc_job_enqueue_device has it pinned, or, for callers of
+ * nc_tensor_device_range whose job this library does not see, it was given
+ * out less than VMM_GRACE_NS ago: a job naming it must reach the daemon
+ * first. So the daemon lets go of memory the process freed. With no byte
+ * count (nc_tensor_device) the region is the tensor's own chunks and all of
+ * them are checked at every lookup, as the daemon's bounds check then only
+ * knows the region.
  */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -49,6 +55,37 @@
 #define VMM_GRACE_NS 100000000ull
 /* The mappings a new VMM region takes in around the tensor that asked for it. */
 #define VMM_RUN_CHUNKS 32
+
+/*
+ * The regions nc_job_enqueue_device has given out for the job it assembles
+ * on this thread, pinned until the job is sent: no sweep unregisters them
+ * before the daemon has seen the job that names them.
+ */
+struct pin_set {
+	nc_conn *conn;
+	nc_region *regions[NC_JOB_TENSORS];
+	unsigned count;
+};
+static _Thread_local struct pin_set *active_pins;
+
+/* Pins a region being given out (conn->lock held) if a job is being assembled. */
+static void pin_given_out(nc_conn *conn, nc_region *r)
+{
+	struct pin_set *pins = active_pins;
+	if (pins && pins->conn == conn && pins->count < NC_JOB_TENSORS) {
+		r->pins++;
+		pins->regions[pins->count++] = r;
+	}
+}
+
+static void unpin_all(struct pin_set *pins)
+{
+	pthread_mutex_lock(&pins->conn->lock);
+	for (unsigned i = 0; i < pins->count; i++)
+		pins->regions[i]->pins--;
+	pthread_mutex_unlock(&pins->conn->lock);
+	pins->count = 0;
+}
 
 static uint64_t now_ns(void)
 {
@@ -289,15 +326,17 @@ static void vmm_mark_stale(nc_conn *conn, nc_region *r)
  * Unregisters the lazily registered regions whose memory is gone (freed, or
  * its address reused by another allocation; for VMM memory, any chunk
  * unmapped or remapped): otherwise the daemon's mapping would keep freed
- * memory alive. A VMM region given out less than VMM_GRACE_NS ago is only
- * marked: the job that names it may not have been sent yet. Called on a
- * cache miss, and after a hit while marked regions wait.
+ * memory alive. A region pinned by a job being assembled, or a VMM region
+ * given out less than VMM_GRACE_NS ago (to a caller of
+ * nc_tensor_device_range, whose job may not be sent yet), is only marked.
+ * Called on a cache miss, and after a hit every VMM_RECHECK_NS while the
+ * connection has VMM regions.
  */
 static void device_sweep_stale(nc_conn *conn)
 {
 	nc_region *stale = NULL;
-	uint64_t now = now_ns();
 	pthread_mutex_lock(&conn->lock);
+	uint64_t now = now_ns(); /* under the lock: no hand-out can come after it */
 	conn->last_sweep_ns = now;
 	for (nc_region **p = &conn->regions; *p;) {
 		nc_region *r = *p;
@@ -305,13 +344,16 @@ static void device_sweep_stale(nc_conn *conn)
 			p = &r->next;
 			continue;
 		}
-		if (r->chunk_count && now - r->handed_ns < VMM_GRACE_NS) {
-			vmm_mark_stale(conn, r);
+		if (r->pins > 0 || (r->chunk_count && r->handed_ns + VMM_GRACE_NS > now)) {
+			if (r->chunk_count)
+				vmm_mark_stale(conn, r);
 			p = &r->next;
 			continue;
 		}
 		if (r->stale)
 			conn->stale_vmm_regions--;
+		if (r->chunk_count)
+			conn->lazy_vmm_regions--;
 		*p = r->next;
 		nc__region_unindex(r);
 		r->next = stale;
@@ -326,6 +368,17 @@ static void device_sweep_stale(nc_conn *conn)
 	}
 }
 
+/*
+ * Whether a hit should sweep (conn->lock held): VMM regions are checked in
+ * full every VMM_RECHECK_NS even when nothing misses, so that memory the
+ * process unmapped is let go of although no tensor asks for it again.
+ */
+static bool sweep_due(nc_conn *conn)
+{
+	return (conn->lazy_vmm_regions > 0 || conn->stale_vmm_regions > 0) &&
+	       conn->last_sweep_ns + VMM_RECHECK_NS <= now_ns();
+}
+
 /* The tensor at `ptr` in the lazily registered region of allocation `buffer_id`, if any. */
 static bool lazy_tensor_lookup(nc_conn *conn, unsigned long long buffer_id, const void *ptr,
 			       struct nc_tensor *out)
@@ -336,11 +389,15 @@ static bool lazy_tensor_lookup(nc_conn *conn, unsigned long long buffer_id, cons
 		if (r->lazy && r->chunk_count == 0 && r->buffer_id == buffer_id) {
 			out->region = r->id;
 			out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)r->data);
+			pin_given_out(conn, r);
 			found = true;
 			break;
 		}
 	}
+	bool sweep = found && sweep_due(conn);
 	pthread_mutex_unlock(&conn->lock);
+	if (sweep)
+		device_sweep_stale(conn);
 	return found;
 }
 
@@ -369,14 +426,16 @@ static bool vmm_others_current(const nc_region *r, unsigned k, unsigned count)
 /*
  * The tensor at `ptr` in a lazily registered VMM region that holds all of
  * `chunks` (the mappings the tensor touches, as they are now) as they were
- * registered: the staleness rule at the top of this file.
+ * registered: the staleness rule at the top of this file. `strict` (the
+ * caller did not say how many bytes the tensor spans): every chunk of the
+ * region is checked now.
  */
 static bool vmm_tensor_lookup(nc_conn *conn, int device, const struct nk_cuda_vmm_chunk *chunks,
-			      unsigned count, const void *ptr, struct nc_tensor *out)
+			      unsigned count, bool strict, const void *ptr, struct nc_tensor *out)
 {
 	bool found = false;
-	uint64_t now = now_ns();
 	pthread_mutex_lock(&conn->lock);
+	uint64_t now = now_ns();
 	for (struct nc__chunk_ref *ref = nc__region_chunk_chain(conn, chunks[0].base);
 	     ref && !found; ref = ref->next) {
 		nc_region *r = ref->region;
@@ -384,7 +443,7 @@ static bool vmm_tensor_lookup(nc_conn *conn, int device, const struct nk_cuda_vm
 		if (!r->lazy || r->stale || r->device != device || r->chunks[k].base != chunks[0].base ||
 		    k + count > r->chunk_count || !vmm_chunks_equal(&r->chunks[k], chunks, count))
 			continue;
-		if (now - r->checked_ns >= VMM_RECHECK_NS) {
+		if (strict || r->checked_ns + VMM_RECHECK_NS <= now) {
 			if (!vmm_others_current(r, k, count)) {
 				vmm_mark_stale(conn, r);
 				continue;
@@ -392,13 +451,14 @@ static bool vmm_tensor_lookup(nc_conn *conn, int device, const struct nk_cuda_vm
 			r->checked_ns = now;
 		}
 		r->handed_ns = now;
+		pin_given_out(conn, r);
 		out->region = r->id;
 		out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)r->data);
 		found = true;
 	}
-	bool reap = found && conn->stale_vmm_regions > 0 && now - conn->last_sweep_ns >= VMM_GRACE_NS;
+	bool sweep = found && sweep_due(conn);
 	pthread_mutex_unlock(&conn->lock);
-	if (reap)
+	if (sweep)
 		device_sweep_stale(conn);
 	return found;
 }
@@ -441,28 +501,46 @@ static unsigned vmm_extend(int device, struct nk_cuda_vmm_chunk chunks[NC_VMM_MA
 /* Files a region registered for a tensor no cached region served in the cache; fills *out. */
 static int lazy_register(const void *ptr, nc_region *region, struct nc_tensor *out)
 {
+	nc_conn *conn = region->conn;
 	region->lazy = true;
 	region->checked_ns = region->handed_ns = now_ns();
 	nc__region_track(region);
+	pthread_mutex_lock(&conn->lock);
+	if (region->chunk_count)
+		conn->lazy_vmm_regions++;
+	pin_given_out(conn, region);
+	pthread_mutex_unlock(&conn->lock);
 	out->region = region->id;
 	out->offset = (uint64_t)((uintptr_t)ptr - (uintptr_t)region->data);
 	return 0;
 }
 
-/* nc_tensor_device_range for VMM memory. */
+/*
+ * nc_tensor_device_range for VMM memory. With `bytes` 1 (nc_tensor_device:
+ * the caller did not say what the job will touch) the region is the
+ * tensor's own chunks and a cached one serves only while all its chunks are
+ * current, so that the daemon's bounds check stays the guard.
+ */
 static int vmm_tensor(nc_conn *conn, const void *ptr, size_t bytes, int device,
 		      struct nc_tensor *out)
 {
+	bool strict = bytes <= 1;
 	struct nk_cuda_vmm_chunk chunks[NC_VMM_MAX_CHUNKS];
 	int n = vmm_walk(ptr, bytes, device, chunks);
 	if (n < 0)
 		return n;
-	if (vmm_tensor_lookup(conn, device, chunks, (unsigned)n, ptr, out))
+	if (vmm_tensor_lookup(conn, device, chunks, (unsigned)n, strict, ptr, out))
 		return 0;
 	device_sweep_stale(conn);
-	n = (int)vmm_extend(device, chunks, (unsigned)n);
+	struct nk_cuda_vmm_chunk own[NC_VMM_MAX_CHUNKS];
+	memcpy(own, chunks, (size_t)n * sizeof(*own));
+	unsigned grown = strict ? (unsigned)n : vmm_extend(device, chunks, (unsigned)n);
 	nc_region *region;
-	int rc = vmm_region_register(conn, device, chunks, (unsigned)n, &region);
+	int rc = vmm_region_register(conn, device, chunks, grown, &region);
+	/* A refusal of the grown run (a limit, a neighbour that cannot be exported), not a lost
+	 * daemon: the tensor's own chunks may still be taken. */
+	if (rc && grown > (unsigned)n && rc != NC_ETIMEOUT && rc != NC_EDISCONNECTED && rc != NC_EIO)
+		rc = vmm_region_register(conn, device, own, (unsigned)n, &region);
 	return rc ? rc : lazy_register(ptr, region, out);
 }
 
@@ -535,6 +613,8 @@ NC_API int nc_job_enqueue_device(nc_conn *conn, const struct nc_job *job,
 	struct nc_job resolved = *job;
 	struct nc_tensor *fields[NC_JOB_TENSORS];
 	job_tensor_fields(&resolved, fields);
+	struct pin_set pins = {.conn = conn};
+	active_pins = &pins;
 	for (int i = 0; i < NC_JOB_TENSORS; i++) {
 		if (!ptrs[i])
 			continue;
@@ -546,11 +626,16 @@ NC_API int nc_job_enqueue_device(nc_conn *conn, const struct nc_job *job,
 			/* The message says which tensor; nc_last_error() is rewritten below. */
 			char why[192];
 			snprintf(why, sizeof(why), "%s", nc_last_error());
+			active_pins = NULL;
+			unpin_all(&pins);
 			return nc__fail(rc, "tensor %s: %s",
 					nc__job_role_name((enum nc__job_role)i), why);
 		}
 	}
-	return nc__job_enqueue(conn, &resolved, NULL, stream, device_pointers);
+	active_pins = NULL;
+	int rc = nc__job_enqueue(conn, &resolved, NULL, stream, device_pointers);
+	unpin_all(&pins); /* the job is on the socket (or refused): sweeps may take its regions */
+	return rc;
 }
 
 NC_API int nc_job_run_on_stream(nc_conn *conn, const struct nc_job *job, void *stream,

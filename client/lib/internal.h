@@ -39,6 +39,7 @@ struct nc_region {
 	struct nc__chunk_ref *chunk_refs; /* VMM memory: one per chunk, for the index */
 	uint64_t checked_ns;        /* VMM memory: when every chunk was last found current */
 	uint64_t handed_ns;         /* VMM memory: when a lookup last gave out a tensor in it */
+	unsigned pins;              /* jobs being assembled that name it (never swept then) */
 	bool stale;                 /* VMM memory: a chunk changed; never given out again */
 	bool lazy;                  /* registered by nc_tensor_device(), owned by conn */
 	struct nc_region *next;     /* conn's list of its regions */
@@ -98,6 +99,7 @@ struct nc_conn {
 	struct nc_region *regions;  /* every region registered and not yet freed */
 	struct nc__region_index index; /* the same regions, looked up by key */
 	unsigned stale_vmm_regions; /* lazy VMM regions marked stale, not yet unregistered */
+	unsigned lazy_vmm_regions;  /* lazy VMM regions (swept every VMM_RECHECK_NS while any) */
 	uint64_t last_sweep_ns;     /* the last device_sweep_stale (device.c) */
 	struct nc__events *events;  /* IPC events of the event mode, made on first use */
 	struct nc__enqueue *enqueue; /* semaphore slots of the enqueue mode, made on first use */

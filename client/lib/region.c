@@ -85,9 +85,10 @@ NC_API int nc_region_register_fd(nc_conn *conn, int fd, size_t size, nc_region *
 
 #define INDEX_FIRST_BUCKETS 64
 
+/* Fibonacci hashing: the product's top bits, which every bit of the key moves. */
 static size_t bucket_of(uint64_t key, size_t buckets)
 {
-	return (size_t)((key * 0x9E3779B97F4A7C15ull) >> 32) & (buckets - 1);
+	return (size_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - __builtin_ctzll(buckets)));
 }
 
 static int index_alloc(struct nc__region_index *ix, size_t buckets)
