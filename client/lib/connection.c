@@ -24,11 +24,16 @@
 
 #define NC__READ_CHUNK 16384
 
-static int64_t now_ms(void)
+uint64_t nc__now_ns(void)
 {
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int64_t now_ms(void)
+{
+	return (int64_t)(nc__now_ns() / 1000000);
 }
 
 /* Milliseconds left before `deadline` (-1: none), for poll(). */
@@ -225,16 +230,13 @@ static bool spin_worthwhile(nc_conn *conn, int64_t deadline)
 /* Spins until `fd` is readable or the spin (or the deadline) runs out. */
 static bool spin_for_data(int fd, int64_t deadline)
 {
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	int64_t start = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000, now = start;
+	int64_t start = (int64_t)(nc__now_ns() / 1000), now = start;
 	while (now - start < spin_us() && (deadline < 0 || now / 1000 < deadline)) {
 		struct pollfd pfd = {.fd = fd, .events = POLLIN};
 		if (poll(&pfd, 1, 0) > 0)
 			return true;
 		sched_yield(); /* on a loaded host, let the thread that will answer run */
-		clock_gettime(CLOCK_MONOTONIC, &ts);
-		now = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+		now = (int64_t)(nc__now_ns() / 1000);
 	}
 	return false;
 }

@@ -41,7 +41,6 @@
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "client/lib/internal.h"
@@ -85,13 +84,6 @@ static void unpin_all(struct pin_set *pins)
 		pins->regions[i]->pins--;
 	pthread_mutex_unlock(&pins->conn->lock);
 	pins->count = 0;
-}
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 static int device_region_register(nc_conn *conn, const struct nk_cuda_pointer_info *info,
@@ -336,7 +328,7 @@ static void device_sweep_stale(nc_conn *conn)
 {
 	nc_region *stale = NULL;
 	pthread_mutex_lock(&conn->lock);
-	uint64_t now = now_ns(); /* under the lock: no hand-out can come after it */
+	uint64_t now = nc__now_ns(); /* under the lock: no hand-out can come after it */
 	conn->last_sweep_ns = now;
 	for (nc_region **p = &conn->regions; *p;) {
 		nc_region *r = *p;
@@ -376,7 +368,7 @@ static void device_sweep_stale(nc_conn *conn)
 static bool sweep_due(nc_conn *conn)
 {
 	return (conn->lazy_vmm_regions > 0 || conn->stale_vmm_regions > 0) &&
-	       conn->last_sweep_ns + VMM_RECHECK_NS <= now_ns();
+	       conn->last_sweep_ns + VMM_RECHECK_NS <= nc__now_ns();
 }
 
 /* The tensor at `ptr` in the lazily registered region of allocation `buffer_id`, if any. */
@@ -435,7 +427,7 @@ static bool vmm_tensor_lookup(nc_conn *conn, int device, const struct nk_cuda_vm
 {
 	bool found = false;
 	pthread_mutex_lock(&conn->lock);
-	uint64_t now = now_ns();
+	uint64_t now = nc__now_ns();
 	for (struct nc__chunk_ref *ref = nc__region_chunk_chain(conn, chunks[0].base);
 	     ref && !found; ref = ref->next) {
 		nc_region *r = ref->region;
@@ -503,7 +495,7 @@ static int lazy_register(const void *ptr, nc_region *region, struct nc_tensor *o
 {
 	nc_conn *conn = region->conn;
 	region->lazy = true;
-	region->checked_ns = region->handed_ns = now_ns();
+	region->checked_ns = region->handed_ns = nc__now_ns();
 	nc__region_track(region);
 	pthread_mutex_lock(&conn->lock);
 	if (region->chunk_count)

@@ -707,9 +707,7 @@ NC_API int nc_conn_check(nc_conn *conn, int timeout_ms)
 
 static int64_t now_us(void)
 {
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+	return (int64_t)(nc__now_ns() / 1000);
 }
 
 /* Whether the jobs of `stream` are done: the key's done word (host), or the stream idle (CUDA). */

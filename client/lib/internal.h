@@ -105,6 +105,9 @@ struct nc_conn {
 	struct nc__enqueue *enqueue; /* semaphore slots of the enqueue mode, made on first use */
 };
 
+/* CLOCK_MONOTONIC in nanoseconds. */
+uint64_t nc__now_ns(void);
+
 /* Records the calling thread's error message and returns `status`. */
 int nc__fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
