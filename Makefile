@@ -306,6 +306,7 @@ bench-gpu: gpu-progs
 		--json $${BENCH_LOG_DIR:-/tmp}/bench_host_path.json
 	@LD_LIBRARY_PATH=$(B)/lib/gpu-host python3 bench/bench_train.py --build $(B) --mps \
 		--json $${BENCH_LOG_DIR:-/tmp}/bench_train.json
+	@LD_LIBRARY_PATH=$(B)/lib/gpu-host python3 bench/compiled_kernels.py --build $(B)
 	@sh bench/multi_gpu.sh $${BENCH_LOG_DIR:-/tmp}/multi_gpu $(B)
 
 # ---- install -------------------------------------------------------------------

@@ -196,9 +196,14 @@ def make_rows(device, dtype, shape, modes, client, library_job):
         for p in params:
             p.grad = None
 
+    torch_ln = torch.nn.LayerNorm(cols, eps=EPS).to(device=device, dtype=dtype)
+    params += (torch_ln.weight, torch_ln.bias)
+    # Like for like: function beside function (F.layer_norm, normd's functional
+    # form) and module beside module (nn.LayerNorm, FusedLayerNorm).
     rows = [
         Row("torch_ln_fwd", "F.layer_norm forward", lambda: F.layer_norm(x, (cols,), w, b, EPS)),
         Row("torch_rms_fwd", "F.rms_norm forward", lambda: F.rms_norm(x, (cols,), w, EPS)),
+        Row("torch_ln_module_fwd", "nn.LayerNorm module forward", lambda: torch_ln(x)),
         Row("empty_fn", "empty autograd.Function forward", lambda: EmptyFunction.apply(x)),
     ]
     for mode in modes:
@@ -207,6 +212,9 @@ def make_rows(device, dtype, shape, modes, client, library_job):
                 lambda: ln(x), mode),
             Row("normd_rms_fwd" + _suffix(mode), "normd FusedRMSNorm forward, %s" % mode,
                 lambda: rms(x), mode),
+            Row("normd_ln_functional" + _suffix(mode),
+                "normd fused_layer_norm_affine forward, %s" % mode,
+                lambda: N.fused_layer_norm_affine(x, w, b, (cols,), EPS), mode),
         ]
     rows += [
         Row("torch_ln_fwd_bwd", "F.layer_norm forward+backward",

@@ -427,8 +427,10 @@ NC_API int nc_job_run_event_ext(nc_conn *conn, const struct nc_job *job,
  * queued. A job the daemon refuses or fails later still releases `stream`
  * (its outputs are filled with 0xff bytes, NaN in every dtype, where its
  * tensors were valid) and its error comes back, as CUDA's asynchronous
- * errors do, from the next nc_job_enqueue() (which then queues nothing) or
- * from nc_conn_check() / nc_stream_wait(); nc_last_error() names the
+ * errors do, from a later nc_job_enqueue() (which then queues nothing;
+ * the library looks for replies when a millisecond or 32 requests have
+ * passed since it last looked) or from nc_conn_check() / nc_stream_wait(),
+ * which always look; nc_last_error() names the
  * request. If the daemon dies or the connection drops, the library releases
  * every stream waiting on it within a second and calls return
  * NC_EDISCONNECTED. Up to 64 streams per device may be used on one

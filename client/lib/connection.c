@@ -512,13 +512,27 @@ int nc__call_expect(nc_conn *conn, Normd__Envelope *env, int timeout_ms,
 }
 
 /*
+ * How often enqueue calls look at the socket: a recv costs 3 us with an idle
+ * GPU and 10 us inside a training step (BENCHMARKS.md), and an enqueued
+ * job's reply only matters when it carries an error, which is reported
+ * asynchronously anyway. The request bound keeps replies from piling up.
+ */
+#define NC__REPLY_LOOK_NS 1000000ull
+#define NC__REPLY_LOOK_REQUESTS 32
+
+/*
  * Reads and files what has arrived, without waiting: enqueued jobs' replies
- * are taken in passing by the next call. Does nothing while another thread reads.
+ * are taken in passing by a later call. Does nothing while another thread reads.
  */
 void nc__poll_replies(nc_conn *conn)
 {
 	pthread_mutex_lock(&conn->lock);
-	if (!conn->reader_active && !conn->broken) {
+	uint64_t now = nc__now_ns();
+	bool due = now - conn->last_look_ns >= NC__REPLY_LOOK_NS ||
+		   conn->next_request_id - conn->last_look_id >= NC__REPLY_LOOK_REQUESTS;
+	if (due && !conn->reader_active && !conn->broken) {
+		conn->last_look_ns = now;
+		conn->last_look_id = conn->next_request_id;
 		conn->polling = true;
 		conn->drained = false;
 		while (read_one_locked(conn, now_ms()) == 0)

@@ -93,6 +93,8 @@ struct nc_conn {
 	unsigned spin_misses;        /* waits in a row that spinning did not shorten */
 	bool polling;                /* nc__poll_replies is reading what has arrived */
 	bool drained;                /* and a recv of it left the socket empty */
+	uint64_t last_look_ns;       /* nc__poll_replies's last look at the socket, */
+	uint64_t last_look_id;       /* and next_request_id then */
 	unsigned spin_skips;         /* waits that did not spin since the last that did */
 	struct nc_server_info info;
 	uint32_t norm_features;      /* HelloReply.norm_features (enum nc_norm_features) */
@@ -201,7 +203,11 @@ int nc__refuse_capture(void *stream);
 /* nc_job_enqueue_ext; capture_checked: the caller asked nc__refuse_capture already. */
 int nc__job_enqueue(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
 		    void *stream, bool capture_checked);
-/* Reads whatever replies have arrived, without waiting. */
+/*
+ * Reads whatever replies have arrived, without waiting, if the last look
+ * was a millisecond or 32 requests ago (connection.c): each look is a recv,
+ * and an enqueued job's reply matters only when it carries an error.
+ */
 void nc__poll_replies(nc_conn *conn);
 /* Waits until every enqueued job has been answered; 0 or NC_ETIMEOUT. */
 int nc__await_enqueued(nc_conn *conn, int timeout_ms);
