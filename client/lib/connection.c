@@ -512,10 +512,10 @@ int nc__call_expect(nc_conn *conn, Normd__Envelope *env, int timeout_ms,
 }
 
 /*
- * How often enqueue calls look at the socket: a recv costs 3 us with an idle
- * GPU and 10 us inside a training step (BENCHMARKS.md), and an enqueued
- * job's reply only matters when it carries an error, which is reported
- * asynchronously anyway. The request bound keeps replies from piling up.
+ * How often enqueue calls look at the socket: each look is a recv, costly
+ * inside a training step (BENCHMARKS.md), and an enqueued job's reply only
+ * matters when it carries an error, which is reported asynchronously anyway.
+ * The request bound keeps replies from piling up.
  */
 #define NC__REPLY_LOOK_NS 1000000ull
 #define NC__REPLY_LOOK_REQUESTS 32
