@@ -278,8 +278,8 @@ static int read_frame(nc_conn *conn, int64_t deadline, Normd__Envelope **out)
 			conn->in_cap += NC__READ_CHUNK;
 		}
 		/*
-		 * A look without waiting (each enqueue makes one) is one recv, not poll
-		 * + recv; nc__poll_replies's none once a recv found less than it asked for.
+		 * A look without waiting (an enqueue's, once a millisecond or 32
+		 * requests) is one recv, not poll + recv; nc__poll_replies's none once a recv found less than it asked for.
 		 */
 		bool look = ms_left(deadline) == 0;
 		if (look && conn->polling && conn->drained)

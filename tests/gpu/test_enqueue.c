@@ -9,7 +9,7 @@
  *   3. ordering with the caller's own copies and memsets between jobs;
  *   4. an asynchronous error (cols past the daemon's --max-cols): the stream
  *      is still released, the outputs are poisoned, the error comes back from
- *      nc_conn_check() or the next nc_job_enqueue(), and later jobs work;
+ *      nc_conn_check() or a later nc_job_enqueue(), and later jobs work;
  *   5. a silent client (its stream never writes the ready word) stalls no
  *      one else, and its jobs end once it is killed;
  *   6. the daemon SIGKILLed mid-chain: the caller's stream is released within

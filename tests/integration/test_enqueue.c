@@ -5,7 +5,7 @@
  * order; errors the library can see are synchronous and queue nothing;
  * nc_job_enqueue_device with its pointers absent or unknown to CUDA;
  * an error only the daemon sees releases the key (done written, outputs
- * poisoned) and comes back from the next call; the daemon pauses instead of
+ * poisoned) and comes back from a later call; the daemon pauses instead of
  * refusing at max_jobs_in_flight; a silent client (a raw one that never
  * writes its ready word) stalls only itself and is released when it leaves;
  * and when the daemon dies the library releases the waiting key within a

@@ -16,7 +16,7 @@ class NormdError(RuntimeError):
             the library's (``nc_last_error()``).
 
     In the enqueue mode (``Client.enqueue``) an error may belong to an
-    earlier job: the daemon's later refusals come back from the next
+    earlier job: the daemon's later refusals come back from a later
     ``enqueue()``, ``check()`` or ``stream_wait()``, as CUDA's asynchronous
     errors do, and the message names the request.
 

@@ -12,7 +12,7 @@ through the default client (``normd.default_client()``, or the module's
 (``nc_job_enqueue``): the job is ordered with the current stream on the
 GPU and the call returns once it is sent, as a CUDA kernel launch does, so
 the outputs are ready for work queued afterwards on that stream; an error
-the daemon reports later (the outputs are then NaN) is raised by the next
+the daemon reports later (the outputs are then NaN) is raised by a later
 call, as CUDA's asynchronous errors are. ``normd.set_completion_mode()`` or
 ``NORMD_COMPLETION=sync|event`` pick the synchronous mode (the call waits
 for the job) or the IPC-event mode instead (see normd.completion_mode).
