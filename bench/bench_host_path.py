@@ -69,7 +69,8 @@ sys.path[:0] = [str(REPO / "bindings" / "python"), str(REPO / "tests" / "python"
 EPS = 1e-5
 BATCH = 100
 STUB_STREAM = 0x5EED
-STUBBED_CALLS = ("nc_tensor_device", "nc_job_enqueue", "nc_job_enqueue_device")
+STUBBED_CALLS = ("nc_tensor_device", "nc_job_enqueue", "nc_job_enqueue_device",
+                 "nc_job_enqueue_ext", "nc_tensor_device_range", "nc_job_enqueue_device_ext")
 STUB_SOURCE = "int normd_bench_stub(void) { return 0; }\n"
 
 
@@ -190,7 +191,9 @@ def make_rows(device, dtype, shape, modes, client, library_job):
     dy = torch.randn(*shape, device=device, dtype=dtype)
     ln = N.FusedLayerNorm(cols, eps=EPS).to(device=device, dtype=dtype)
     rms = N.FusedRMSNorm(cols, eps=EPS).to(device=device, dtype=dtype)
-    params = (x, w, b, ln.weight, ln.bias, rms.weight)
+    add_rms = N.FusedAddRMSNorm(cols, eps=EPS).to(device=device, dtype=dtype)
+    residual = torch.randn(*shape, device=device, dtype=dtype)
+    params = (x, w, b, ln.weight, ln.bias, rms.weight, add_rms.weight)
 
     def reset():
         for p in params:
@@ -215,6 +218,9 @@ def make_rows(device, dtype, shape, modes, client, library_job):
             Row("normd_ln_functional" + _suffix(mode),
                 "normd fused_layer_norm_affine forward, %s" % mode,
                 lambda: N.fused_layer_norm_affine(x, w, b, (cols,), EPS), mode),
+            Row("normd_add_rms_fwd" + _suffix(mode),
+                "normd FusedAddRMSNorm forward (residual add), %s" % mode,
+                lambda: add_rms(x, residual), mode),
         ]
     rows += [
         Row("torch_ln_fwd_bwd", "F.layer_norm forward+backward",

@@ -264,18 +264,8 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
 /*
  * The generation of the CUDA variants and of the rules that pick them: bump
  * it when a variant's meaning or a default changes, so that choices a
- * daemon persisted for older kernels are dropped instead of kept forever.
- * 2: block_smem for rows too wide for registers (2026-11-22).
- * 3: block_smem ring candidates for the widest backward rows (2026-11-22).
- * 4: tma_slice backward for rows wider than a block's registers (2026-11-22).
- * 5: the tiled forward runs a grid of every row group at 64 registers a
- *    thread, and its defaults changed (2026-11-24).
- * 6: the tiled family runs the norm variants and every family the weight
- *    offset (2026-11-25).
- * 7: 16-bit RMSNorm forward rows of 1025-4096 columns take four vectors a
- *    thread, as LayerNorm's do (2026-11-25).
- * 8: tma_slice backward runs ds; 16-bit forward rows of 8193-16384 columns
- *    on the tiled kernel (2026-11-25).
+ * daemon persisted for older kernels are dropped instead of kept forever
+ * (this line's git history says what each generation changed).
  */
 #define NK_VARIANT_SET 8
 

@@ -472,6 +472,22 @@ NC_API int nc_job_enqueue_ext(nc_conn *conn, const struct nc_job *job,
 NC_API int nc_job_enqueue_device(nc_conn *conn, const struct nc_job *job,
 				 const void *const ptrs[NC_JOB_TENSORS], void *stream);
 
+/* NC_JOB_TENSORS, then struct nc_job_ext's: residual, residual_out, ds, scale, amax. */
+#define NC_JOB_ALL_TENSORS 16
+
+/*
+ * nc_job_enqueue_device() of a job with variants: ptrs[] names the tensors
+ * of struct nc_job (the first NC_JOB_TENSORS entries, as
+ * nc_job_enqueue_device's) and then those of struct nc_job_ext in the
+ * order residual, residual_out, ds, scale, amax, each resolved with the
+ * bytes the job gives its role (an FP8 y one byte an element). `ext` may be
+ * NULL (the plain norm; its five entries must then be NULL). Errors as
+ * nc_job_enqueue_device()'s and nc_job_enqueue_ext()'s.
+ */
+NC_API int nc_job_enqueue_device_ext(nc_conn *conn, const struct nc_job *job,
+				     const struct nc_job_ext *ext,
+				     const void *const ptrs[NC_JOB_ALL_TENSORS], void *stream);
+
 /*
  * Waits at most `timeout_ms` (< 0: no limit) until the daemon has answered
  * every job enqueued so far on `conn` and returns the first asynchronous

@@ -62,7 +62,7 @@
  */
 struct pin_set {
 	nc_conn *conn;
-	nc_region *regions[NC_JOB_TENSORS];
+	nc_region *regions[NC_JOB_ALL_TENSORS];
 	unsigned count;
 };
 static _Thread_local struct pin_set *active_pins;
@@ -71,7 +71,7 @@ static _Thread_local struct pin_set *active_pins;
 static void pin_given_out(nc_conn *conn, nc_region *r)
 {
 	struct pin_set *pins = active_pins;
-	if (pins && pins->conn == conn && pins->count < NC_JOB_TENSORS) {
+	if (pins && pins->conn == conn && pins->count < NC_JOB_ALL_TENSORS) {
 		r->pins++;
 		pins->regions[pins->count++] = r;
 	}
@@ -575,13 +575,20 @@ NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *ou
 }
 
 /* The tensor fields of a job in role order (proto/job_roles.h), for nc_job_enqueue_device. */
-static void job_tensor_fields(struct nc_job *job, struct nc_tensor *fields[NC_JOB_TENSORS])
+/* The tensor fields of a job and its variants, in role order (proto/job_roles.h). */
+static void job_tensor_fields(struct nc_job *job, struct nc_job_ext *ext,
+			      struct nc_tensor *fields[NC_JOB_ALL_TENSORS])
 {
-	_Static_assert(NC__ROLE_MAIN_GRAD == NC_JOB_TENSORS - 1,
-		       "struct nc_job's tensors are the first roles of the table, in order");
-	struct nc_tensor *in_order[NC_JOB_TENSORS] = {
-		&job->x,  &job->y,  &job->mean,   &job->rstd,  &job->gamma,     &job->beta,
-		&job->dy, &job->dx, &job->dgamma, &job->dbeta, &job->main_grad,
+	_Static_assert(NC__ROLE_MAIN_GRAD == NC_JOB_TENSORS - 1 &&
+			       NC__ROLE_RESIDUAL == NC_JOB_TENSORS &&
+			       NC__ROLE_AMAX == NC_JOB_ALL_TENSORS - 1 &&
+			       NC__ROLE_COUNT == NC_JOB_ALL_TENSORS,
+		       "struct nc_job's tensors, then struct nc_job_ext's, are the roles in order");
+	struct nc_tensor *in_order[NC_JOB_ALL_TENSORS] = {
+		&job->x,     &job->y,	     &job->mean,	 &job->rstd,   &job->gamma,
+		&job->beta,  &job->dy,	     &job->dx,		 &job->dgamma, &job->dbeta,
+		&job->main_grad, &ext->residual, &ext->residual_out, &ext->ds, &ext->scale,
+		&ext->amax,
 	};
 	memcpy(fields, in_order, sizeof(in_order));
 }
@@ -589,29 +596,50 @@ static void job_tensor_fields(struct nc_job *job, struct nc_tensor *fields[NC_JO
 NC_API int nc_job_enqueue_device(nc_conn *conn, const struct nc_job *job,
 				 const void *const ptrs[NC_JOB_TENSORS], void *stream)
 {
+	if (!ptrs)
+		return nc__fail(NC_EINVALID_ARGUMENT, "conn, job and ptrs must not be NULL");
+	const void *all[NC_JOB_ALL_TENSORS] = {0};
+	memcpy(all, ptrs, NC_JOB_TENSORS * sizeof(*ptrs));
+	return nc_job_enqueue_device_ext(conn, job, NULL, all, stream);
+}
+
+NC_API int nc_job_enqueue_device_ext(nc_conn *conn, const struct nc_job *job,
+				     const struct nc_job_ext *ext,
+				     const void *const ptrs[NC_JOB_ALL_TENSORS], void *stream)
+{
 	if (!conn || !job || !ptrs)
 		return nc__fail(NC_EINVALID_ARGUMENT, "conn, job and ptrs must not be NULL");
+	/* Without ext, the variants' pointers have no field to go to. */
+	int count = ext ? NC_JOB_ALL_TENSORS : NC_JOB_TENSORS;
+	for (int i = count; i < NC_JOB_ALL_TENSORS; i++) {
+		if (ptrs[i])
+			return nc__fail(NC_EINVALID_ARGUMENT, "tensor %s needs a struct nc_job_ext",
+					nc__job_role_name((enum nc__job_role)i));
+	}
 	/*
 	 * Before the pointers, whose registration a capture would refuse. Only
 	 * with a device pointer is `stream` surely a CUDA stream (a job of host
 	 * regions names a CPU-backend key there).
 	 */
 	bool device_pointers = false;
-	for (int i = 0; i < NC_JOB_TENSORS; i++)
+	for (int i = 0; i < count; i++)
 		device_pointers |= ptrs[i] != NULL;
 	int refused = device_pointers ? nc__refuse_capture(stream) : 0;
 	if (refused)
 		return refused;
 	struct nc_job resolved = *job;
-	struct nc_tensor *fields[NC_JOB_TENSORS];
-	job_tensor_fields(&resolved, fields);
+	struct nc_job_ext resolved_ext = {0};
+	if (ext)
+		resolved_ext = *ext;
+	struct nc_tensor *fields[NC_JOB_ALL_TENSORS];
+	job_tensor_fields(&resolved, &resolved_ext, fields);
 	struct pin_set pins = {.conn = conn};
 	active_pins = &pins;
-	for (int i = 0; i < NC_JOB_TENSORS; i++) {
+	for (int i = 0; i < count; i++) {
 		if (!ptrs[i])
 			continue;
 		/* The bytes the job reads or writes there: a VMM tensor may span several chunks. */
-		uint64_t bytes = nc__role_bytes(job, NULL, i);
+		uint64_t bytes = nc__role_bytes(job, ext, i);
 		size_t span = bytes == 0 || bytes > SIZE_MAX ? 1 : (size_t)bytes;
 		int rc = nc_tensor_device_range(conn, ptrs[i], span, fields[i]);
 		if (rc) {
@@ -625,7 +653,8 @@ NC_API int nc_job_enqueue_device(nc_conn *conn, const struct nc_job *job,
 		}
 	}
 	active_pins = NULL;
-	int rc = nc__job_enqueue(conn, &resolved, NULL, stream, device_pointers);
+	int rc = nc__job_enqueue(conn, &resolved, ext ? &resolved_ext : NULL, stream,
+				 device_pointers);
 	unpin_all(&pins); /* the job is on the socket (or refused): sweeps may take its regions */
 	return rc;
 }

@@ -252,6 +252,40 @@ static void test_enqueue_device_pointers(void **state)
 }
 
 /*
+ * nc_job_enqueue_device_ext with a residual add on the CPU backend: NULL
+ * pointers keep the job's and ext's own tensors and the job runs; a variant
+ * pointer without ext, or one the CUDA driver does not know, is refused
+ * with the tensor's role in the message, and nothing is queued.
+ */
+static void test_enqueue_device_ext_pointers(void **state)
+{
+	(void)state;
+	nc_conn *conn = connect_or_fail(group_daemon.socket);
+	struct jobkit kit;
+	struct jobkit_spec spec = {.op = NC_LAYERNORM_FWD, .rows = 3, .cols = 40,
+				   .dtype = NC_F32, .gamma = true, .beta = true,
+				   .residual = true, .weight_offset = 1.0f, .seed = 12};
+	assert_int_equal(jobkit_create(conn, &spec, &kit), NC_OK);
+	const void *ptrs[NC_JOB_ALL_TENSORS] = {NULL};
+	ptrs[NC_JOB_TENSORS] = nc_region_data(kit.region); /* residual */
+	assert_int_equal(nc_job_enqueue_device_ext(conn, &kit.job, NULL, ptrs, NULL),
+			 NC_EINVALID_ARGUMENT);
+	assert_non_null(strstr(nc_last_error(), "residual"));
+	assert_int_equal(nc_job_enqueue_device_ext(conn, &kit.job, &kit.ext, ptrs, NULL),
+			 NC_EINVALID_ARGUMENT);
+	assert_non_null(strstr(nc_last_error(), "tensor residual: "));
+	assert_int_equal(nc_conn_check(conn, 1000), NC_OK); /* nothing was sent */
+	ptrs[NC_JOB_TENSORS] = NULL;
+	assert_int_equal(nc_job_enqueue_device_ext(conn, &kit.job, &kit.ext, ptrs, (void *)6),
+			 NC_OK);
+	assert_int_equal(nc_stream_wait(conn, (void *)6, 10000), NC_OK);
+	struct jobkit_report report;
+	assert_true(jobkit_check(&kit, &report));
+	jobkit_destroy(&kit);
+	nc_close(conn);
+}
+
+/*
  * A daemon with --max-cols 64 refuses a 128-column job that the library
  * cannot judge: the key is released, the outputs are poisoned, the error
  * comes back from the next call, once, and later jobs run.
@@ -509,6 +543,7 @@ int main(void)
 		cmocka_unit_test(test_local_errors_are_synchronous),
 		cmocka_unit_test(test_many_regions_found_after_frees),
 		cmocka_unit_test(test_enqueue_device_pointers),
+		cmocka_unit_test(test_enqueue_device_ext_pointers),
 		cmocka_unit_test(test_daemon_error_is_asynchronous),
 		cmocka_unit_test(test_limit_pauses_instead_of_refusing),
 		cmocka_unit_test(test_silent_client_stalls_only_itself),

@@ -341,8 +341,19 @@ FEATURE_FP8_OUTPUT = 1 << 2     # y_dtype F8E4M3 / F8E5M2
 
 STRUCTS["nc_job_ext"] = NcJobExt
 
+#: NC_JOB_ALL_TENSORS: nc_job_enqueue_device_ext's pointers, struct nc_job's roles
+#: (TENSOR_ROLES) and then struct nc_job_ext's (EXT_TENSOR_ROLES).
+ALL_JOB_TENSORS = JOB_TENSORS + len(EXT_TENSOR_ROLES)
+
+#: pack_all_device_pointers(x, ..., main_grad, residual, ..., amax): the bytes of
+#: nc_job_enqueue_device_ext's `const void *ptrs[NC_JOB_ALL_TENSORS]` (0 for NULL).
+pack_all_device_pointers = struct.Struct("@%dP" % ALL_JOB_TENSORS).pack
+
 _ext_ptr = ctypes.POINTER(NcJobExt)
 _PROTOTYPES.update({
+    # ptrs: the bytes of pack_all_device_pointers.
+    "nc_job_enqueue_device_ext": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _ext_ptr, _c_void_p,
+                                           _c_void_p]),
     "nc_server_norm_features": (ctypes.c_uint32, [_c_void_p]),
     "nc_job_submit_ext": (_c_int, [_c_void_p, ctypes.POINTER(NcJob), _ext_ptr,
                                    ctypes.POINTER(ctypes.c_uint64)]),

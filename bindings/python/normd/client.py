@@ -644,6 +644,21 @@ class Client:
         if rc:
             raise enqueue_device_error(rc, _lib.text(self._lib.nc_last_error()))
 
+    def _enqueue_device_ext(self, job, ext, ptrs, stream):
+        """_enqueue_device() of a job with variants (nc_job_enqueue_device_ext).
+
+        ext: an NcJobExt without tensors; ptrs: _lib.pack_all_device_pointers()
+        of one device pointer per role of _lib.TENSOR_ROLES and then
+        _lib.EXT_TENSOR_ROLES. Errors as enqueue()'s.
+        """
+        conn = self._conn
+        handle = conn.handle
+        if handle is None or conn.pid != _pid:
+            handle = conn.checked_handle()  # raises the closed / forked-child error
+        rc = self._lib.nc_job_enqueue_device_ext(handle, job, ext, ptrs, stream)
+        if rc:
+            raise enqueue_device_error(rc, _lib.text(self._lib.nc_last_error()))
+
     def check(self, timeout_ms=None):
         """Collects the enqueue mode's asynchronous errors (nc_conn_check).
 

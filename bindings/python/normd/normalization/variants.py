@@ -56,7 +56,7 @@ from torch.nn import functional as F
 
 from .. import _lib
 from .._lib import STATUS_CODES, DType, Op
-from ..client import completion_mode, default_client
+from ..client import completion_mode, default_client, norm_job
 from ..errors import NormdError
 from ..job_ext import feature_names
 from .fused_layer_norm import (_CAPTURE_MESSAGE, _DTYPES, FusedLayerNorm, FusedRMSNorm,
@@ -241,6 +241,23 @@ def _check_fp8_args(input, scale, amax, fp8_dtype):
 # ---- running one job on torch tensors ---------------------------------------------------
 
 
+# nc_job_enqueue_device_ext's pointer slot of each role.
+_POINTER_SLOTS = {role: i for i, role in enumerate(_lib.TENSOR_ROLES + _lib.EXT_TENSOR_ROLES)}
+
+_job_exts = {}
+
+
+def _job_ext(weight_offset, y_dtype):
+    """A struct nc_job_ext without tensors, made once per (offset, y_dtype): not to be changed."""
+    key = (weight_offset, y_dtype)
+    ext = _job_exts.get(key)
+    if ext is None:
+        ext = _lib.NcJobExt(weight_offset=weight_offset, y_dtype=y_dtype)
+        if len(_job_exts) < 64:
+            _job_exts[key] = ext
+    return ext
+
+
 def _run(client, op, rows, cols, args, tensors):
     """Runs one job whose tensors are torch tensors (CUDA, or CPU when staged).
 
@@ -262,8 +279,17 @@ def _run(client, op, rows, cols, args, tensors):
     if mode == "enqueue":
         # As fused_layer_norm._run: the temporaries and outputs were
         # allocated on this current stream, so the caching allocator reuses
-        # them only after the job.
-        client.enqueue_ext(op, rows, cols, stream=stream, **args, **tensors)
+        # them only after the job. The callers made the tensors what the job
+        # needs; the library checks regions, bounds and aliasing.
+        eps = args.get("eps")
+        job = norm_job(op, rows, cols, 0.0 if eps is None else float(eps), int(args["dtype"]),
+                       int(args.get("weight_dtype") or 0),
+                       _lib.MEMORY_EFFICIENT if args.get("memory_efficient") else 0)
+        ext = _job_ext(float(args.get("weight_offset") or 0.0), int(args.get("y_dtype") or 0))
+        ptrs = [0] * _lib.ALL_JOB_TENSORS
+        for role, t in tensors.items():
+            ptrs[_POINTER_SLOTS[role]] = t.data_ptr()
+        client._enqueue_device_ext(job, ext, _lib.pack_all_device_pointers(*ptrs), stream)
     else:
         client.run_ext(op, rows, cols, stream=stream, event=(mode == "event"), **args,
                        **tensors)
