@@ -11,6 +11,7 @@ the torch fallback, and the strict setting raises UNSUPPORTED.
 
 import inspect
 import os
+import struct
 
 import pytest
 
@@ -224,13 +225,22 @@ def test_in_place_sends_aliases(device, monkeypatch):
             return _real(self, op, rows, cols, **kwargs)
 
         monkeypatch.setattr(normd.Client, name, spy)
+    real_pointers = normd.Client._enqueue_device_ext  # the enqueue mode on CUDA tensors
+
+    def spy_pointers(self, job, ext, ptrs, stream):
+        roles = _lib.TENSOR_ROLES + _lib.EXT_TENSOR_ROLES
+        seen.update((role, p) for role, p in
+                    zip(roles, struct.unpack("@%dP" % len(roles), ptrs)) if p)
+        return real_pointers(self, job, ext, ptrs, stream)
+
+    monkeypatch.setattr(normd.Client, "_enqueue_device_ext", spy_pointers)
     x, r = torch.randn(4, 32, device=device), torch.randn(4, 32, device=device)
     with torch.no_grad():
         N.fused_add_rms_norm_(x, r, torch.ones(32, device=device), 1e-6)
     checks.jobs_ok(None, device)
 
-    def same(a, b):  # one torch tensor (CUDA), or one (region, offset) place (staged)
-        return a is b or (isinstance(a, tuple) and a == b)
+    def same(a, b):  # one device pointer or torch tensor (CUDA), or (region, offset) (staged)
+        return a is b or (isinstance(a, (int, tuple)) and a == b)
 
     assert same(seen["y"], seen["x"]) and same(seen["residual_out"], seen["residual"])
     assert not same(seen["x"], seen["residual"])
