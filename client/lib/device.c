@@ -574,7 +574,6 @@ NC_API int nc_tensor_device(nc_conn *conn, const void *ptr, struct nc_tensor *ou
 	return nc_tensor_device_range(conn, ptr, 1, out);
 }
 
-/* The tensor fields of a job in role order (proto/job_roles.h), for nc_job_enqueue_device. */
 /* The tensor fields of a job and its variants, in role order (proto/job_roles.h). */
 static void job_tensor_fields(struct nc_job *job, struct nc_job_ext *ext,
 			      struct nc_tensor *fields[NC_JOB_ALL_TENSORS])
@@ -585,10 +584,10 @@ static void job_tensor_fields(struct nc_job *job, struct nc_job_ext *ext,
 			       NC__ROLE_COUNT == NC_JOB_ALL_TENSORS,
 		       "struct nc_job's tensors, then struct nc_job_ext's, are the roles in order");
 	struct nc_tensor *in_order[NC_JOB_ALL_TENSORS] = {
-		&job->x,     &job->y,	     &job->mean,	 &job->rstd,   &job->gamma,
-		&job->beta,  &job->dy,	     &job->dx,		 &job->dgamma, &job->dbeta,
-		&job->main_grad, &ext->residual, &ext->residual_out, &ext->ds, &ext->scale,
-		&ext->amax,
+		&job->x,	&job->y,	&job->mean,	    &job->rstd,
+		&job->gamma,	&job->beta,	&job->dy,	    &job->dx,
+		&job->dgamma,	&job->dbeta,	&job->main_grad,    &ext->residual,
+		&ext->residual_out, &ext->ds,	&ext->scale,	    &ext->amax,
 	};
 	memcpy(fields, in_order, sizeof(in_order));
 }
