@@ -60,7 +60,8 @@ from ..client import completion_mode, default_client, norm_job
 from ..errors import NormdError
 from ..job_ext import feature_names
 from .fused_layer_norm import (_CAPTURE_MESSAGE, _DTYPES, FusedLayerNorm, FusedRMSNorm,
-                               _autocast_cast, _check_param, _daemon_input, _normalized_shape,
+                               _any_autocast, _autocast_cast, _autocast_enabled, _capturing,
+                               _check_param, _daemon_input, _normalized_shape, _raw_stream,
                                _rows_cols, _run_staged)
 
 __all__ = [
@@ -272,9 +273,9 @@ def _run(client, op, rows, cols, args, tensors):
         outputs = _BWD_OUTPUTS if op in (Op.LAYERNORM_BWD, Op.RMSNORM_BWD) else _FWD_OUTPUTS
         _run_staged(client, op, rows, cols, args, tensors, outputs, ext=True)
         return
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing():
         raise NormdError(STATUS_CODES["UNSUPPORTED"], _CAPTURE_MESSAGE)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
+    stream = _raw_stream(x.get_device())
     mode = completion_mode()
     if mode == "enqueue":
         # As fused_layer_norm._run: the temporaries and outputs were
@@ -447,7 +448,8 @@ def torch_fp8(y, scale, amax, fp8_dtype):
 def variant_norm(rms, input, residual, weight, bias, normalized_shape, eps, weight_offset,
                  memory_efficient, client):
     """One call of a variant module or function: (y, s), s None without residual."""
-    if input.is_cuda:
+    # With autocast off, the block below would change nothing: eager calls skip it.
+    if input.is_cuda and (_dynamo_compiling() or (_any_autocast() and _autocast_enabled())):
         input, residual, weight, bias = _autocast_cast(input, residual, weight, bias)
         with torch.autocast("cuda", enabled=False):
             return _variant_norm(rms, input, residual, weight, bias, normalized_shape, eps,
