@@ -44,7 +44,8 @@ RECORDER = r"""
 #include "normclient.h"
 #define MAX 64
 static struct nc_job jobs[MAX];
-static const void *ptrs[MAX][NC_JOB_TENSORS];
+static const void *ptrs[MAX][NC_JOB_ALL_TENSORS];
+static float offsets[MAX];
 static void *streams[MAX];
 static nc_conn *conns[MAX];
 static int count, fail_rc;
@@ -57,13 +58,26 @@ int rec_enqueue(nc_conn *conn, const struct nc_job *job, const void *const p[NC_
 		return fail_rc;
 	if (count < MAX) {
 		jobs[count] = *job;
-		memcpy(ptrs[count], p, sizeof(ptrs[0]));
+		memset(ptrs[count], 0, sizeof(ptrs[0]));
+		memcpy(ptrs[count], p, NC_JOB_TENSORS * sizeof(*p));
+		offsets[count] = 0;
 		streams[count] = stream;
 		conns[count] = conn;
 	}
 	count++;
 	return 0;
 }
+int rec_enqueue_ext(nc_conn *conn, const struct nc_job *job, const struct nc_job_ext *ext,
+		    const void *const p[NC_JOB_ALL_TENSORS], void *stream)
+{
+	int rc = rec_enqueue(conn, job, p, stream);
+	if (rc == 0 && count <= MAX) {
+		memcpy(ptrs[count - 1], p, sizeof(ptrs[0]));
+		offsets[count - 1] = ext->weight_offset;
+	}
+	return rc;
+}
+float rec_offset(int i) { return offsets[i]; }
 const char *rec_last_error(void) { return message; }
 void rec_fail(int rc, unsigned ops, const char *why)
 {
@@ -95,6 +109,7 @@ def recorder(tmp_path_factory):
     rec.rec_stream.restype = ctypes.c_void_p
     rec.rec_conn.restype = ctypes.c_void_p
     rec.rec_fail.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_char_p]
+    rec.rec_offset.restype = ctypes.c_float
     return rec
 
 
@@ -103,6 +118,7 @@ def _bind_recorder(recorder, host_tensors):
     torch.ops.normd_eager.bind(eager._address(recorder.rec_enqueue),
                                eager._address(recorder.rec_last_error),
                                eager._address(_lib.load().nc_status_name), host_tensors)
+    torch.ops.normd_eager.bind_variants(eager._address(recorder.rec_enqueue_ext))
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +131,7 @@ def operator(recorder):
     torch.ops.normd_eager.bind(eager._address(lib.nc_job_enqueue_device),
                                eager._address(lib.nc_last_error),
                                eager._address(lib.nc_status_name), False)
+    torch.ops.normd_eager.bind_variants(eager._address(lib.nc_job_enqueue_device_ext))
 
 
 def _as_cuda(client, monkeypatch):
@@ -524,3 +541,121 @@ def test_a_build_that_fails_its_self_test_is_recorded_and_not_used(monkeypatch, 
     with pytest.warns(RuntimeWarning, match="failed its self-test"):
         assert eager.norm_op() is None
     assert "failed its self-test" in eager.status()
+
+
+# ---- the variants' operator (normd_eager::variant_norm) ------------------------------------
+
+variants_module = importlib.import_module("normd.normalization.variants")
+
+#: The caller's tensors a role of a variant job may name (see _ROLE_NAMES).
+_VARIANT_NAMES = dict(_ROLE_NAMES, residual=("residual",), residual_out=("s",), ds=("ds",),
+                      dx=("input.grad", "residual.grad"))
+
+
+@pytest.fixture
+def variant_paths(operator, recorder, client, monkeypatch):
+    """As `paths`, for the variants: run(use_operator, call) -> (jobs, by operator, by Python)."""
+    python_calls = _as_cuda(client, monkeypatch)
+    monkeypatch.setattr(variants_module, "_capturing", lambda: False)
+    monkeypatch.setattr(variants_module, "_raw_stream", lambda index: 0)
+    all_roles = _lib.ALL_JOB_TENSORS
+    monkeypatch.setattr(client, "_enqueue_device_ext", lambda job, ext, ptrs, stream:
+                        python_calls.append((_job_fields(job) + (round(ext.weight_offset, 6),),
+                                             struct.unpack("@%dP" % all_roles, ptrs), stream)))
+    op = torch.ops.normd_eager.variant_norm.default._op
+    monkeypatch.setattr(eager, "variant_op", lambda: op)
+    old_mode = normd.set_completion_mode(None)
+    normd.set_default_client(client)
+
+    def run(use_operator, call):
+        monkeypatch.setattr(fln, "_eager_op", operator if use_operator else False)
+        recorder.rec_reset()
+        python_calls.clear()
+        named = call(client)
+        ours = [(_job_fields(recorder.rec_job(i).contents) + (round(recorder.rec_offset(i), 6),),
+                 tuple(recorder.rec_ptrs(i)[k] or 0 for k in range(all_roles)),
+                 recorder.rec_stream(i) or 0) for i in range(recorder.rec_count())]
+        return _symbolic_all(ours + python_calls, named), len(ours), len(python_calls)
+
+    yield run
+    normd.set_default_client(None)
+    normd.set_completion_mode(old_mode)
+
+
+def _symbolic_all(jobs, named):
+    """_symbolic over every role, struct nc_job_ext's included."""
+    tensors = named()
+    seen = {}
+    out = []
+    for i, (fields, ptrs, stream) in enumerate(jobs):
+        roles = []
+        for role, p in zip(_lib.TENSOR_ROLES + _lib.EXT_TENSOR_ROLES, ptrs):
+            names = [n for n in _VARIANT_NAMES.get(role, ())
+                     if tensors.get(n) is not None and tensors[n].data_ptr() == p]
+            if not p:
+                roles.append(None)
+            elif names:
+                roles.append(names[0])
+            else:
+                roles.append(seen.setdefault(p, "job%d.%s" % (i, role)))
+        out.append((fields, tuple(roles), stream))
+    return out
+
+
+def _variant_call(factory, dtype, residual=True, grads=("y", "s")):
+    """A call: a variant module on fresh inputs, forward and backward from the outputs in grads."""
+
+    def call(client):
+        torch.manual_seed(9)
+        module = factory().to(dtype)
+        module.client = client
+        x = torch.randn(6, 32, dtype=dtype).requires_grad_()
+        r = torch.randn(6, 32, dtype=dtype).requires_grad_() if residual else None
+        y, s = module(x, r) if residual else (module(x), None)
+        dy, ds = torch.randn_like(y), (torch.randn_like(s) if s is not None else None)
+        outs = [(t, g) for name, t, g in (("y", y, dy), ("s", s, ds))
+                if name in grads and t is not None]
+        torch.autograd.backward([t for t, _ in outs], [g for _, g in outs])
+        w, b = module.weight, getattr(module, "bias", None)
+        return lambda: {"input": x, "residual": r, "weight": w, "bias": b, "output": y, "s": s,
+                        "dy": dy, "ds": ds, "input.grad": x.grad,
+                        "residual.grad": None if r is None else r.grad,
+                        "weight.grad": w.grad, "bias.grad": None if b is None else b.grad}
+
+    return call
+
+
+VARIANT_CASES = {
+    "add rmsnorm bf16": (lambda: N.FusedAddRMSNorm(32), torch.bfloat16, True, ("y", "s")),
+    "add layernorm f32, zero-centered": (
+        lambda: N.FusedAddLayerNorm(32, zero_centered_gamma=True), torch.float32, True,
+        ("y", "s")),
+    "add rmsnorm f16 memory_efficient": (
+        lambda: N.FusedAddRMSNorm(32, memory_efficient=True), torch.float16, True, ("y", "s")),
+    "add layernorm bf16, only y used": (lambda: N.FusedAddLayerNorm(32), torch.bfloat16, True,
+                                        ("y",)),
+    "rmsnorm with an offset": (lambda: N.FusedRMSNormOffset(32, offset=0.5), torch.float32,
+                               False, ("y",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VARIANT_CASES))
+def test_the_variant_operator_hands_the_library_what_the_python_path_does(variant_paths, case):
+    factory, dtype, residual, grads = VARIANT_CASES[case]
+    call = _variant_call(factory, dtype, residual, grads)
+    (ours, by_operator, _), (python, _, by_python) = variant_paths(True, call), \
+        variant_paths(False, call)
+    assert by_python == 2 and by_operator == 2
+    assert ours == python
+    (_, fwd_roles, _), (_, bwd_roles, _) = ours
+    assert fwd_roles[1] == "output"
+    if residual:
+        assert fwd_roles[11] == "residual" and fwd_roles[12] == "s"
+        assert bwd_roles[13] == ("ds" if "s" in grads else None)
+
+
+def test_only_s_used_needs_no_backward_job(variant_paths):
+    call = _variant_call(lambda: N.FusedAddRMSNorm(32), torch.float32, True, ("s",))
+    (ours, by_operator, _), (python, _, by_python) = variant_paths(True, call), \
+        variant_paths(False, call)
+    assert by_operator == by_python == 1 and ours == python

@@ -18,6 +18,11 @@ headers). The build takes about 20-60 s once and is kept in
 under a key of the source, the header, torch's version and the compiler.
 ``python3 -m normd.eager`` builds it ahead of time and says where.
 
+A second operator, ``torch.ops.normd_eager.variant_norm``, does the same for
+the residual add and the weight offset (normalization/variants.py's
+FusedNormVariantFunction, job for job) through ``nc_job_enqueue_device_ext``;
+it returns (y, s), s empty without residual.
+
 The same file gives normd's torch.library ops (normalization/custom_ops.py,
 what torch.compile calls) C++ kernels for CUDA tensors, which run the
 enqueue mode's common case and hand every other call to the ops' Python
@@ -272,6 +277,8 @@ def _load(host_tensors=False):
     torch.ops.normd_eager.bind(_address(lib.nc_job_enqueue_device),
                                _address(lib.nc_last_error), _address(lib.nc_status_name),
                                host_tensors)
+    torch.ops.normd_eager.bind_variants(_address(lib.nc_job_enqueue_device_ext))
+    _state["variant_op"] = torch.ops.normd_eager.variant_norm.default._op
     _state["path"] = path
     from . import client
 
@@ -339,6 +346,11 @@ def norm_op(host_tensors=False):
                               % _state["why"], RuntimeWarning, stacklevel=3)
         _state["tried"] = True
     return _state["op"]
+
+
+def variant_op():
+    """The variants' operator (residual add, weight offset), or None where the operator is off."""
+    return _state.get("variant_op") if norm_op() else None
 
 
 def jobs():

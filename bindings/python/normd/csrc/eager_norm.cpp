@@ -41,11 +41,16 @@ using torch::autograd::variable_list;
 
 using enqueue_device_fn = int (*)(nc_conn *, const struct nc_job *,
 				  const void *const[NC_JOB_TENSORS], void *);
+using enqueue_device_ext_fn = int (*)(nc_conn *, const struct nc_job *,
+				      const struct nc_job_ext *,
+				      const void *const[NC_JOB_ALL_TENSORS], void *);
 using text_fn = const char *(*)(int);
 using last_error_fn = const char *(*)(void);
 
 // libnormclient's entry points, from the copy the Python package loaded.
 std::atomic<enqueue_device_fn> enqueue_device{nullptr};
+// nullptr until bind_variants: the variants then stay on the Python path.
+std::atomic<enqueue_device_ext_fn> enqueue_device_ext{nullptr};
 std::atomic<last_error_fn> last_error{nullptr};
 std::atomic<text_fn> status_name{nullptr};
 // Jobs this operator enqueued, for tests that check which path ran.
@@ -257,7 +262,15 @@ Backward run_backward(const Tensor &grad, const Tensor &x, const Tensor &weight,
 // ---- the eager operator: normd_eager::norm, its autograd in C++ ----
 
 // The forward's ints a backward needs, in ctx->saved_data["job"].
-enum { JOB_ROWS, JOB_COLS, JOB_RMS, JOB_MEMORY_EFFICIENT, JOB_WEIGHT_DTYPE, JOB_HANDLE };
+enum {
+	JOB_ROWS,
+	JOB_COLS,
+	JOB_RMS,
+	JOB_MEMORY_EFFICIENT,
+	JOB_WEIGHT_DTYPE,
+	JOB_HANDLE,
+	JOB_HAS_RESIDUAL /* the variants' operator only */
+};
 
 class NormFunction : public torch::autograd::Function<NormFunction> {
       public:
@@ -334,6 +347,211 @@ Tensor norm(const Tensor &input, const std::optional<Tensor> &weight,
 {
 	return NormFunction::apply(input, weight, bias, normalized_shape, eps, rms, memory_efficient,
 				   handle);
+}
+
+// ---- the variants' eager operator: normd_eager::variant_norm ----
+//
+// The residual add and the weight offset (normalization/variants.py's
+// FusedNormVariantFunction, whose jobs these are, field for field): s =
+// input + residual, y = norm(s or input) * (weight_offset + weight) [+ bias].
+// FP8 output and the in-place forms have no autograd and stay in Python.
+
+// One job with variants through nc_job_enqueue_device_ext; `t` in role order.
+void enqueue_variant(int64_t handle, const Tensor &on, int op, uint64_t rows, uint64_t cols,
+		     double eps, int dtype, int weight_dtype, unsigned flags, double weight_offset,
+		     const Tensor (&t)[NC_JOB_ALL_TENSORS])
+{
+	const auto call = enqueue_device_ext.load();
+	if (!call)
+		throw Fallback{"the library's nc_job_enqueue_device_ext is not bound"};
+	nc_conn *conn = live_conn(handle);
+	struct nc_job job = {};
+	job.op = static_cast<enum nc_op>(op);
+	job.rows = rows;
+	job.cols = cols;
+	job.eps = static_cast<float>(eps);
+	job.dtype = static_cast<enum nc_dtype>(dtype);
+	job.weight_dtype = static_cast<enum nc_dtype>(weight_dtype);
+	job.flags = flags;
+	struct nc_job_ext ext = {};
+	ext.weight_offset = static_cast<float>(weight_offset);
+	const void *ptrs[NC_JOB_ALL_TENSORS] = {};
+	for (int i = 0; i < NC_JOB_ALL_TENSORS; i++)
+		ptrs[i] = ptr_or_null(t[i]);
+	int rc = call(conn, &job, &ext, ptrs, current_stream(on));
+	if (rc)
+		library_error(rc);
+	jobs_enqueued.fetch_add(1, std::memory_order_relaxed);
+}
+
+// The roles of struct nc_job_ext after struct nc_job's ten norm roles and main_grad.
+enum { ROLE_RESIDUAL = NC_JOB_TENSORS, ROLE_RESIDUAL_OUT, ROLE_DS };
+
+struct VariantForward {
+	Plan p;
+	Tensor x, weight, bias, y, s, mean, invvar;
+};
+
+VariantForward run_variant_forward(const Tensor &input, const Tensor &residual_in,
+				   const Tensor &weight_in, const Tensor &bias_in,
+				   c10::IntArrayRef shape, double eps, bool rms, double weight_offset,
+				   int64_t handle)
+{
+	VariantForward f;
+	f.weight = weight_in.defined() ? weight_in.contiguous() : Tensor();
+	f.bias = bias_in.defined() ? bias_in.contiguous() : Tensor();
+	f.p = plan(input, f.weight, f.bias, shape);
+	if (residual_in.defined() &&
+	    (residual_in.sizes() != input.sizes() ||
+	     residual_in.scalar_type() != input.scalar_type() ||
+	     residual_in.device() != input.device()))
+		throw Fallback{"a residual of another shape, dtype or device"};
+	if (weight_offset != 0.0 && !f.weight.defined())
+		throw Fallback{"a weight offset without a weight"};
+	f.x = input.contiguous();
+	const Tensor r = residual_in.defined() ? residual_in.contiguous() : Tensor();
+	const auto stats = f.x.options().dtype(at::kFloat);
+	const int64_t rows = static_cast<int64_t>(f.p.rows);
+	f.y = at::empty(f.x.sizes(), f.x.options());
+	f.s = r.defined() ? at::empty(f.x.sizes(), f.x.options()) : Tensor();
+	f.mean = rms ? Tensor() : at::empty({rows}, stats);
+	f.invvar = at::empty({rows}, stats);
+	Tensor t[NC_JOB_ALL_TENSORS] = {f.x, f.y, f.mean, f.invvar, f.weight, f.bias};
+	t[ROLE_RESIDUAL] = r;
+	t[ROLE_RESIDUAL_OUT] = f.s;
+	enqueue_variant(handle, f.x, rms ? NC_RMSNORM_FWD : NC_LAYERNORM_FWD, f.p.rows, f.p.cols,
+			eps, f.p.dtype, f.p.weight_dtype, 0, weight_offset, t);
+	return f;
+}
+
+class VariantFunction : public torch::autograd::Function<VariantFunction> {
+      public:
+	// Returns (y, s); s is an empty tensor without residual (an op returns no None).
+	static variable_list forward(AutogradContext *ctx, const Tensor &input,
+				     const std::optional<Tensor> &residual,
+				     const std::optional<Tensor> &weight,
+				     const std::optional<Tensor> &bias, c10::IntArrayRef shape,
+				     double eps, bool rms, double weight_offset,
+				     bool memory_efficient, int64_t handle)
+	{
+		VariantForward f;
+		try {
+			f = run_variant_forward(input, residual ? *residual : Tensor(),
+						weight ? *weight : Tensor(), bias ? *bias : Tensor(),
+						shape, eps, rms, weight_offset, handle);
+		} catch (const Fallback &why) {
+			fallback(why.why);
+		}
+		ctx->set_materialize_grads(false);
+		const bool has_residual = f.s.defined();
+		// What FusedNormVariantFunction saves: s (the input without residual),
+		// or y with memory_efficient; the parameters; mean, invvar.
+		const Tensor saved = memory_efficient ? f.y : has_residual ? f.s : f.x;
+		ctx->save_for_backward({saved, f.weight, f.bias,
+					memory_efficient ? Tensor() : f.mean, f.invvar});
+		ctx->saved_data["job"] = std::vector<int64_t>{
+			static_cast<int64_t>(f.p.rows), static_cast<int64_t>(f.p.cols), rms,
+			memory_efficient, f.p.weight_dtype, handle, has_residual};
+		ctx->saved_data["eps"] = eps;
+		ctx->saved_data["weight_offset"] = weight_offset;
+		Tensor s = has_residual ? f.s : at::empty({0}, f.x.options());
+		if (!has_residual)
+			ctx->mark_non_differentiable({s});
+		return {f.y, s};
+	}
+
+	static variable_list backward(AutogradContext *ctx, variable_list grads)
+	{
+		variable_list out = gradients(ctx, grads[0], grads[1]);
+		const bool graph = at::GradMode::is_enabled() &&
+				   ((grads[0].defined() && grads[0].requires_grad()) ||
+				    (grads[1].defined() && grads[1].requires_grad()));
+		if (graph) {
+			auto error = std::make_shared<torch::autograd::DelayedError>(
+				"trying to differentiate twice a function that was marked with "
+				"@once_differentiable (normd's norms are differentiable once)", 4);
+			variable_list leaves;
+			for (int i = 0; i < 4; i++)
+				leaves.push_back(out[i].defined() ? out[i].detach().requires_grad_(true)
+								  : Tensor());
+			variable_list wrapped = (*error)(std::move(leaves));
+			for (int i = 0; i < 4; i++)
+				out[i] = wrapped[i];
+		}
+		out.resize(10);
+		return out;
+	}
+
+      private:
+	// d_input, d_residual (the same dx), dgamma, dbeta; those not asked for undefined.
+	static variable_list gradients(AutogradContext *ctx, const Tensor &grad_y,
+				       const Tensor &grad_s)
+	{
+		at::NoGradGuard no_graph;
+		const auto saved = ctx->get_saved_variables();
+		const auto job = ctx->saved_data["job"].toIntVector();
+		const Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
+		const bool has_residual = job[JOB_HAS_RESIDUAL] != 0;
+		// needs_input_grad counts the tensors given, absent optionals not: input,
+		// then the residual, weight and bias that are there.
+		const size_t residual_edge = 1, weight_edge = has_residual ? 2 : 1;
+		const size_t bias_edge = weight_edge + (weight.defined() ? 1 : 0);
+		const bool want_dgamma = weight.defined() && ctx->needs_input_grad(weight_edge);
+		const bool want_dbeta = bias.defined() && ctx->needs_input_grad(bias_edge);
+		Tensor dx, dgamma, dbeta;
+		if (!grad_y.defined()) {
+			// Only s was used: dnorm(s) is zero.
+			if (grad_s.defined())
+				dx = grad_s.to(x.scalar_type()).contiguous();
+			dgamma = want_dgamma ? at::zeros_like(weight) : Tensor();
+			dbeta = want_dbeta ? at::zeros_like(bias) : Tensor();
+		} else {
+			Tensor dy = grad_y.contiguous();
+			if (dy.scalar_type() != x.scalar_type())
+				dy = dy.to(x.scalar_type());
+			Tensor ds;
+			if (grad_s.defined())
+				ds = grad_s.scalar_type() == x.scalar_type()
+					     ? grad_s.contiguous()
+					     : grad_s.to(x.scalar_type()).contiguous();
+			dx = at::empty(x.sizes(), x.options());
+			dgamma = want_dgamma ? at::empty(weight.sizes(), weight.options()) : Tensor();
+			dbeta = want_dbeta ? at::empty(bias.sizes(), bias.options()) : Tensor();
+			Tensor t[NC_JOB_ALL_TENSORS] = {x,  Tensor(), saved[3], saved[4], weight,
+							bias, dy,	dx,	  dgamma,   dbeta};
+			t[ROLE_DS] = ds;
+			const bool rms = job[JOB_RMS] != 0;
+			try {
+				enqueue_variant(job[JOB_HANDLE], x, rms ? NC_RMSNORM_BWD : NC_LAYERNORM_BWD,
+						static_cast<uint64_t>(job[JOB_ROWS]),
+						static_cast<uint64_t>(job[JOB_COLS]),
+						ctx->saved_data["eps"].toDouble(),
+						dtype_code(x.scalar_type()),
+						static_cast<int>(job[JOB_WEIGHT_DTYPE]),
+						job[JOB_MEMORY_EFFICIENT] != 0
+							? static_cast<unsigned>(NC_MEMORY_EFFICIENT)
+							: 0u,
+						ctx->saved_data["weight_offset"].toDouble(), t);
+			} catch (const Fallback &why) {
+				throw_error("normd error %d (INVALID_ARGUMENT): %s",
+					    static_cast<int>(NC_EINVALID_ARGUMENT), why.why);
+			}
+		}
+		return {ctx->needs_input_grad(0) ? dx : Tensor(),
+			has_residual && ctx->needs_input_grad(residual_edge) ? dx : Tensor(), dgamma,
+			dbeta};
+	}
+};
+
+std::tuple<Tensor, Tensor> variant_norm(const Tensor &input, const std::optional<Tensor> &residual,
+					const std::optional<Tensor> &weight,
+					const std::optional<Tensor> &bias,
+					c10::IntArrayRef normalized_shape, double eps, bool rms,
+					double weight_offset, bool memory_efficient, int64_t handle)
+{
+	variable_list out = VariantFunction::apply(input, residual, weight, bias, normalized_shape,
+						   eps, rms, weight_offset, memory_efficient, handle);
+	return {out[0], out[1]};
 }
 
 // ---- the kernels of normd.normalization's torch.library ops ----
@@ -499,6 +717,12 @@ void bind(int64_t enqueue_device_addr, int64_t last_error_addr, int64_t status_n
 	status_name.store(reinterpret_cast<text_fn>(status_name_addr));
 }
 
+// nc_job_enqueue_device_ext, for the variants' operator (0: they stay on the Python path).
+void bind_variants(int64_t enqueue_device_ext_addr)
+{
+	enqueue_device_ext.store(reinterpret_cast<enqueue_device_ext_fn>(enqueue_device_ext_addr));
+}
+
 int64_t jobs()
 {
 	return jobs_enqueued.load(std::memory_order_relaxed);
@@ -543,6 +767,11 @@ TORCH_LIBRARY(normd_eager, m)
 	      &norm);
 	m.def("bind(int enqueue_device, int last_error, int status_name, bool host_tensors) -> ()",
 	      &bind);
+	m.def("variant_norm(Tensor input, Tensor? residual, Tensor? weight, Tensor? bias, "
+	      "int[] normalized_shape, float eps, bool rms, float weight_offset, "
+	      "bool memory_efficient, int handle) -> (Tensor, Tensor)",
+	      &variant_norm);
+	m.def("bind_variants(int enqueue_device_ext) -> ()", &bind_variants);
 	m.def("jobs() -> int", &jobs);
 	m.def("conn_opened(int handle) -> ()", &conn_opened);
 	m.def("conn_closed(int handle) -> ()", &conn_closed);

@@ -47,6 +47,7 @@ as the job carries it. Modules with an offset start with the weight at
 at one.
 """
 
+import importlib
 import math
 import os
 
@@ -55,6 +56,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from .. import _lib
+from .. import eager as _eager
 from .._lib import STATUS_CODES, DType, Op
 from ..client import completion_mode, default_client, norm_job
 from ..errors import NormdError
@@ -62,7 +64,10 @@ from ..job_ext import feature_names
 from .fused_layer_norm import (_CAPTURE_MESSAGE, _DTYPES, FusedLayerNorm, FusedRMSNorm,
                                _any_autocast, _autocast_cast, _autocast_enabled, _capturing,
                                _check_param, _daemon_input, _normalized_shape, _raw_stream,
-                               _rows_cols, _run_staged)
+                               _rows_cols, _run_staged, _worded)
+
+# The module, not the package's function of the same name (fused_layer_norm._eager_op).
+_fln = importlib.import_module(__package__ + ".fused_layer_norm")
 
 __all__ = [
     "FALLBACK_MODES", "FusedLayerNormOffset", "FusedNormVariantFunction", "FusedRMSNormOffset",
@@ -458,12 +463,50 @@ def variant_norm(rms, input, residual, weight, bias, normalized_shape, eps, weig
                          weight_offset, memory_efficient, client)
 
 
+def _run_eager(rms, input, residual, weight, bias, shape, eps, weight_offset, memory_efficient,
+               client):
+    """The call through the compiled variants' operator (normd.eager): (y, s), or None where
+    FusedNormVariantFunction takes it (the operator off, another completion mode, a case
+    the operator leaves to Python, which raises the errors)."""
+    # eager.paused() and NORMD_EAGER=0 turn off both operators (fused_layer_norm._eager_op).
+    if _fln._eager_op is False:
+        return None
+    op = _eager.variant_op()
+    if op is None or completion_mode() != "enqueue":
+        return None
+    conn = client._conn
+    handle = conn.handle if conn.eager_bound else _eager.conn_key(conn)
+    if handle is None:
+        conn.checked_handle()  # raises: the client is closed
+    if type(eps) is not float:
+        eps = 0.0 if eps is None else float(eps)
+    try:
+        y, s = op(input, residual, weight, bias, shape, eps, rms, float(weight_offset or 0.0),
+                  memory_efficient, handle)
+    except RuntimeError as e:
+        what = _eager.error(e)
+        if what is None:
+            raise
+        if what == "fallback":
+            return None
+        raise _worded(what) from None
+    # The autograd node holds the client for backward, as FusedNormVariantFunction's ctx does.
+    if y.grad_fn is not None:
+        y.grad_fn.metadata["normd_client"] = client
+    return y, (s if residual is not None else None)
+
+
 def _variant_norm(rms, input, residual, weight, bias, normalized_shape, eps, weight_offset,
                   memory_efficient, client):
     shape = _normalized_shape(normalized_shape)
     _plan(input, residual, weight, bias, shape, weight_offset)
     where, daemon = _route(input, _features(residual, weight_offset, False), client)
     if where == "daemon":
+        if input.is_cuda:
+            out = _run_eager(rms, input, residual, weight, bias, shape, eps, weight_offset,
+                             memory_efficient, daemon)
+            if out is not None:
+                return out
         return FusedNormVariantFunction.apply(input, residual, weight, bias, shape, eps, rms,
                                               weight_offset, memory_efficient, daemon)
     if where == "ops":
