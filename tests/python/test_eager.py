@@ -659,3 +659,34 @@ def test_only_s_used_needs_no_backward_job(variant_paths):
     (ours, by_operator, _), (python, _, by_python) = variant_paths(True, call), \
         variant_paths(False, call)
     assert by_operator == by_python == 1 and ours == python
+
+
+def test_the_variant_operator_refusals_and_fallbacks(variant_paths, recorder):
+    unsupported = _lib.STATUS_CODES["UNSUPPORTED"]
+
+    def refused_forward(c):
+        recorder.rec_fail(unsupported, 1 << 3, b"tensor residual: pointer 0x10 is not exportable")
+        m = N.FusedAddRMSNorm(32)
+        m.client = c
+        m(torch.randn(4, 32), torch.randn(4, 32))
+
+    with pytest.raises(NormdError) as e:
+        variant_paths(True, refused_forward)
+    assert e.value.status == "UNSUPPORTED" and "tensor residual" in e.value.message
+
+    def refused_backward(c):
+        m = N.FusedAddRMSNorm(32)
+        m.client = c
+        y, s = m(torch.randn(4, 32, requires_grad=True), torch.randn(4, 32))
+        recorder.rec_fail(unsupported, 1 << 4, b"no backward")
+        (y.sum() + s.sum()).backward()
+
+    with pytest.raises(RuntimeError, match=r"normd error -\d+ \(UNSUPPORTED\): no backward"):
+        variant_paths(True, refused_backward)
+
+    def residual_of_another_shape(c):
+        N.FusedAddLayerNorm(32)(torch.randn(4, 32), torch.randn(2, 32))
+
+    # The operator leaves it to the Python path, whose check raises.
+    with pytest.raises(RuntimeError, match="residual has shape"):
+        variant_paths(True, residual_of_another_shape)
