@@ -150,6 +150,10 @@ def parse_args(argv):
                    help="norm implementations (torch,apex,normd); torch always runs")
     p.add_argument("--norms", default=",".join(NORMS), help="layernorm,rmsnorm")
     p.add_argument("--no-compile", action="store_true", help="eager only")
+    p.add_argument("--residual", choices=("separate", "fused"), default="separate",
+                   help="the attention's residual add: before norm2 (separate, default) or "
+                        "in its call (fused: normd's FusedAdd* modules, PyTorch's add then "
+                        "norm; apex is skipped)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: CUDA where torch sees a GPU, else CPU (--quick only)")
@@ -338,15 +342,21 @@ def top_level(args, argv):
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block: attention and a 4x GELU MLP, each with a residual."""
+    """A pre-norm transformer block: attention and a 4x GELU MLP, each with a residual.
 
-    def __init__(self, d, head_dim, norm):
+    add_norm: a constructor d -> module(input, residual) -> (norm(s), s) with
+    s = input + residual: the attention's residual add then goes into norm2's
+    call (--residual fused), as stacks with a fused add + norm write it.
+    """
+
+    def __init__(self, d, head_dim, norm, add_norm=None):
         super().__init__()
         self.heads = d // head_dim
         self.norm1 = norm(d)
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d, bias=False)
-        self.norm2 = norm(d)
+        self.fused_residual = add_norm is not None
+        self.norm2 = add_norm(d) if add_norm else norm(d)
         self.fc1 = nn.Linear(d, 4 * d, bias=False)
         self.fc2 = nn.Linear(4 * d, d, bias=False)
 
@@ -355,16 +365,21 @@ class Block(nn.Module):
         qkv = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        a = self.proj(a.transpose(1, 2).reshape(b, s, d))
+        if self.fused_residual:
+            h, x = self.norm2(a, x)
+        else:
+            x = x + a
+            h = self.norm2(x)
+        return x + self.fc2(F.gelu(self.fc1(h)))
 
 
 class Model(nn.Module):
     """Blocks, a final norm, a linear head; returns the MSE against `target`."""
 
-    def __init__(self, d, layers, head_dim, norm):
+    def __init__(self, d, layers, head_dim, norm, add_norm=None):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(d, head_dim, norm) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, head_dim, norm, add_norm) for _ in range(layers))
         self.norm = norm(d)
         self.head = nn.Linear(d, d, bias=False)
 
@@ -383,6 +398,34 @@ def norm_factory(impl, norm, apex):
         cls = apex.normalization.FusedRMSNorm if rms else apex.normalization.FusedLayerNorm
     else:
         cls = N.FusedRMSNorm if rms else N.FusedLayerNorm
+    return lambda d: cls(d, eps=EPS)
+
+
+class TorchAddLayerNorm(nn.LayerNorm):
+    """PyTorch's add then LayerNorm, in the fused modules' form: forward(input, residual) -> (y, s)."""
+
+    def forward(self, input, residual):
+        s = input + residual
+        return super().forward(s), s
+
+
+class TorchAddRMSNorm(nn.RMSNorm):
+    """PyTorch's add then RMSNorm: forward(input, residual) -> (y, s)."""
+
+    def forward(self, input, residual):
+        s = input + residual
+        return super().forward(s), s
+
+
+def add_norm_factory(impl, norm):
+    """For --residual fused: a constructor d -> add + norm module of this implementation."""
+    rms = norm == "rmsnorm"
+    if impl == "torch":
+        cls = TorchAddRMSNorm if rms else TorchAddLayerNorm
+    elif impl == "normd":
+        cls = N.FusedAddRMSNorm if rms else N.FusedAddLayerNorm
+    else:
+        raise ValueError("%s has no residual add + norm module" % impl)
     return lambda d: cls(d, eps=EPS)
 
 
@@ -464,11 +507,16 @@ class Group:
         if impl == "apex" and self.w.apex is None:
             self.errors[impl] = "skipped: apex " + self.w.apex_error
             return
+        if impl == "apex" and self.args.residual == "fused":
+            self.errors[impl] = "skipped: apex has no residual add + norm module"
+            return
         try:
             torch.manual_seed(self.d)  # the same Linear weights for every model
             with torch.device(self.w.device):
+                add_norm = add_norm_factory(impl, self.norm) \
+                    if self.args.residual == "fused" else None
                 model = Model(self.d, self.args.layers, self.args.head_dim,
-                              norm_factory(impl, self.norm, self.w.apex))
+                              norm_factory(impl, self.norm, self.w.apex), add_norm)
             self.models[impl] = model.to(dtype=torch.bfloat16)
             fused = {"fused": True} if self.w.cuda else {}
             self.opts[impl] = torch.optim.AdamW(model.parameters(), lr=LR, **fused)
@@ -795,9 +843,11 @@ class Worker:
         if info["alloc_conf"]:
             print("PYTORCH_CUDA_ALLOC_CONF=%s" % info["alloc_conf"])
         print("model: pre-norm blocks x%d, bf16, %d tokens (batch %d x seq %d), heads of %d, "
-              "MLP 4x GELU, linear head + MSE, AdamW; median of %d steps in %d rounds after "
-              "%d warm-up" % (args.layers, args.tokens, batch, args.seq, args.head_dim,
-                              args.steps, args.rounds, args.warmup), flush=True)
+              "MLP 4x GELU, linear head + MSE, AdamW; residual add %s; median of %d steps in "
+              "%d rounds after %d warm-up"
+              % (args.layers, args.tokens, batch, args.seq, args.head_dim,
+                 "in norm2's call (--residual fused)" if args.residual == "fused"
+                 else "before the norm", args.steps, args.rounds, args.warmup), flush=True)
 
     def host_cost_table(self):
         calls = self.args.host_calls

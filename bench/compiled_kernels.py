@@ -58,6 +58,9 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant (20)")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds (4)")
     p.add_argument("--profile-steps", type=int, default=5, help="profiled steps (5)")
+    p.add_argument("--residual", choices=("separate", "fused"), default="separate",
+                   help="bench_train.py's --residual: the attention's residual add before "
+                        "norm2, or in its call (normd's FusedAdd* modules)")
     p.add_argument("--cpu-profile", action="store_true",
                    help="also print the host's busiest ops in normd's compiled step")
     return p.parse_args(argv)
@@ -139,7 +142,8 @@ def one_shape(args, client, norm, d):
     for impl in ("torch", "normd"):
         torch.manual_seed(d)
         with torch.device("cuda"):
-            model = bt.Model(d, args.layers, 128, bt.norm_factory(impl, norm, None))
+            add_norm = bt.add_norm_factory(impl, norm) if args.residual == "fused" else None
+            model = bt.Model(d, args.layers, 128, bt.norm_factory(impl, norm, None), add_norm)
         model = model.to(torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=bt.LR, fused=True)
         fn = torch.compile(model, fullgraph=True)
