@@ -17,6 +17,10 @@ Issue 18, item 6; `make bench-gpu` runs it. One run measures, on GPU 0:
     completion mode (enqueue, event, sync: normd.set_completion_mode; and
     enqueue-python, the enqueue mode on the package's Python path rather
     than its compiled eager operator, normd.eager).
+  With `--residual fused` each block's attention residual add goes into
+  norm2's call: normd's FusedAddLayerNorm / FusedAddRMSNorm (one job for
+  the add and the norm) against PyTorch's add then norm, as stacks with a
+  fused add + norm write the block (apex has no such module: skipped).
   Each eager and compiled (torch.compile of the model, fullgraph=True, one
   compilation serving normd's three modes, which are read when the op
   runs; apex's Function calls its CUDA extension, which dynamo need not
