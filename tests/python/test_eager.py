@@ -197,15 +197,15 @@ _ROLE_NAMES = {"x": ("input", "output"), "y": ("output",), "gamma": ("weight",),
                "dgamma": ("weight.grad",), "dbeta": ("bias.grad",)}
 
 
-def _symbolic(jobs, named):
+def _symbolic(jobs, named, all_roles=_lib.TENSOR_ROLES, role_names=_ROLE_NAMES):
     """Jobs with each pointer replaced by the name of the tensor it is, or its first use."""
     tensors = named()
     seen = {}
     out = []
     for i, (fields, ptrs, stream) in enumerate(jobs):
         roles = []
-        for role, p in zip(_lib.TENSOR_ROLES, ptrs):
-            names = [n for n in _ROLE_NAMES.get(role, ())
+        for role, p in zip(all_roles, ptrs):
+            names = [n for n in role_names.get(role, ())
                      if tensors.get(n) is not None and tensors[n].data_ptr() == p]
             if not p:
                 roles.append(None)
@@ -575,31 +575,12 @@ def variant_paths(operator, recorder, client, monkeypatch):
         ours = [(_job_fields(recorder.rec_job(i).contents) + (round(recorder.rec_offset(i), 6),),
                  tuple(recorder.rec_ptrs(i)[k] or 0 for k in range(all_roles)),
                  recorder.rec_stream(i) or 0) for i in range(recorder.rec_count())]
-        return _symbolic_all(ours + python_calls, named), len(ours), len(python_calls)
+        return (_symbolic(ours + python_calls, named, _lib.TENSOR_ROLES + _lib.EXT_TENSOR_ROLES,
+                          _VARIANT_NAMES), len(ours), len(python_calls))
 
     yield run
     normd.set_default_client(None)
     normd.set_completion_mode(old_mode)
-
-
-def _symbolic_all(jobs, named):
-    """_symbolic over every role, struct nc_job_ext's included."""
-    tensors = named()
-    seen = {}
-    out = []
-    for i, (fields, ptrs, stream) in enumerate(jobs):
-        roles = []
-        for role, p in zip(_lib.TENSOR_ROLES + _lib.EXT_TENSOR_ROLES, ptrs):
-            names = [n for n in _VARIANT_NAMES.get(role, ())
-                     if tensors.get(n) is not None and tensors[n].data_ptr() == p]
-            if not p:
-                roles.append(None)
-            elif names:
-                roles.append(names[0])
-            else:
-                roles.append(seen.setdefault(p, "job%d.%s" % (i, role)))
-        out.append((fields, tuple(roles), stream))
-    return out
 
 
 def _variant_call(factory, dtype, residual=True, grads=("y", "s")):

@@ -136,14 +136,10 @@ struct Fallback {
 	const char *why;
 };
 
-// One job through the library; `t` in struct nc_job's role order. The
-// library's refusal of a capturing stream is a Fallback where the caller can
-// hand the call to Python (which words it for PyTorch users).
-void enqueue(int64_t handle, const Tensor &on, int op, uint64_t rows, uint64_t cols, double eps,
-	     int dtype, int weight_dtype, unsigned flags, const Tensor (&t)[10],
-	     bool capture_falls_back)
+// A norm job's fields, its tensors absent.
+struct nc_job norm_job(int op, uint64_t rows, uint64_t cols, double eps, int dtype,
+		       int weight_dtype, unsigned flags)
 {
-	nc_conn *conn = live_conn(handle);
 	struct nc_job job = {};
 	job.op = static_cast<enum nc_op>(op);
 	job.rows = rows;
@@ -152,6 +148,18 @@ void enqueue(int64_t handle, const Tensor &on, int op, uint64_t rows, uint64_t c
 	job.dtype = static_cast<enum nc_dtype>(dtype);
 	job.weight_dtype = static_cast<enum nc_dtype>(weight_dtype);
 	job.flags = flags;
+	return job;
+}
+
+// One job through the library; `t` in struct nc_job's role order. The
+// library's refusal of a capturing stream is a Fallback where the caller can
+// hand the call to Python (which words it for PyTorch users).
+void enqueue(int64_t handle, const Tensor &on, int op, uint64_t rows, uint64_t cols, double eps,
+	     int dtype, int weight_dtype, unsigned flags, const Tensor (&t)[10],
+	     bool capture_falls_back)
+{
+	nc_conn *conn = live_conn(handle);
+	struct nc_job job = norm_job(op, rows, cols, eps, dtype, weight_dtype, flags);
 	const void *ptrs[NC_JOB_TENSORS] = {};
 	for (int i = 0; i < 10; i++)
 		ptrs[i] = ptr_or_null(t[i]);
@@ -261,6 +269,23 @@ Backward run_backward(const Tensor &grad, const Tensor &x, const Tensor &weight,
 
 // ---- the eager operator: normd_eager::norm, its autograd in C++ ----
 
+// Differentiable once, as apex's norms are (Python's once_differentiable): with
+// a graph asked for, the gradients lead to a node that raises if reached.
+void once_differentiable(variable_list &out, bool graph)
+{
+	if (!graph)
+		return;
+	const size_t n = out.size();
+	auto error = std::make_shared<torch::autograd::DelayedError>(
+		"trying to differentiate twice a function that was marked with "
+		"@once_differentiable (normd's norms are differentiable once)",
+		static_cast<int64_t>(n));
+	variable_list leaves;
+	for (size_t i = 0; i < n; i++)
+		leaves.push_back(out[i].defined() ? out[i].detach().requires_grad_(true) : Tensor());
+	out = (*error)(std::move(leaves));
+}
+
 // The forward's ints a backward needs, in ctx->saved_data["job"].
 enum {
 	JOB_ROWS,
@@ -302,20 +327,7 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
 	static variable_list backward(AutogradContext *ctx, variable_list grads)
 	{
 		variable_list out = gradients(ctx, grads[0]);
-		// Differentiable once, as apex's are (Python's once_differentiable): with a
-		// graph asked for, the gradients lead to a node that raises if reached.
-		if (at::GradMode::is_enabled() && grads[0].requires_grad()) {
-			auto error = std::make_shared<torch::autograd::DelayedError>(
-				"trying to differentiate twice a function that was marked with "
-				"@once_differentiable (normd's norms are differentiable once)", 3);
-			variable_list leaves;
-			for (int i = 0; i < 3; i++)
-				leaves.push_back(out[i].defined() ? out[i].detach().requires_grad_(true)
-								  : Tensor());
-			variable_list wrapped = (*error)(std::move(leaves));
-			for (int i = 0; i < 3; i++)
-				out[i] = wrapped[i];
-		}
+		once_differentiable(out, at::GradMode::is_enabled() && grads[0].requires_grad());
 		out.resize(8);
 		return out;
 	}
@@ -365,14 +377,7 @@ void enqueue_variant(int64_t handle, const Tensor &on, int op, uint64_t rows, ui
 	if (!call)
 		throw Fallback{"the library's nc_job_enqueue_device_ext is not bound"};
 	nc_conn *conn = live_conn(handle);
-	struct nc_job job = {};
-	job.op = static_cast<enum nc_op>(op);
-	job.rows = rows;
-	job.cols = cols;
-	job.eps = static_cast<float>(eps);
-	job.dtype = static_cast<enum nc_dtype>(dtype);
-	job.weight_dtype = static_cast<enum nc_dtype>(weight_dtype);
-	job.flags = flags;
+	struct nc_job job = norm_job(op, rows, cols, eps, dtype, weight_dtype, flags);
 	struct nc_job_ext ext = {};
 	ext.weight_offset = static_cast<float>(weight_offset);
 	const void *ptrs[NC_JOB_ALL_TENSORS] = {};
@@ -463,21 +468,9 @@ class VariantFunction : public torch::autograd::Function<VariantFunction> {
 	static variable_list backward(AutogradContext *ctx, variable_list grads)
 	{
 		variable_list out = gradients(ctx, grads[0], grads[1]);
-		const bool graph = at::GradMode::is_enabled() &&
-				   ((grads[0].defined() && grads[0].requires_grad()) ||
-				    (grads[1].defined() && grads[1].requires_grad()));
-		if (graph) {
-			auto error = std::make_shared<torch::autograd::DelayedError>(
-				"trying to differentiate twice a function that was marked with "
-				"@once_differentiable (normd's norms are differentiable once)", 4);
-			variable_list leaves;
-			for (int i = 0; i < 4; i++)
-				leaves.push_back(out[i].defined() ? out[i].detach().requires_grad_(true)
-								  : Tensor());
-			variable_list wrapped = (*error)(std::move(leaves));
-			for (int i = 0; i < 4; i++)
-				out[i] = wrapped[i];
-		}
+		once_differentiable(out, at::GradMode::is_enabled() &&
+						 ((grads[0].defined() && grads[0].requires_grad()) ||
+						  (grads[1].defined() && grads[1].requires_grad())));
 		out.resize(10);
 		return out;
 	}

@@ -616,6 +616,14 @@ def _run_eager(rms, input, weight, bias, shape, eps, memory_efficient, client):
         op = _eager_op = _eager.norm_op() or False
     if op is False or completion_mode() != "enqueue":
         return None
+    if type(eps) is not float:
+        eps = 0.0 if eps is None else float(eps)
+    return _operator_call(op, client, input, weight, bias, shape, eps, rms, memory_efficient)
+
+
+def _operator_call(op, client, *args):
+    """op(*args, the client's handle): a compiled eager operator's outputs, or None where
+    the Python path takes the call; the library's refusals raise NormdError."""
     # Held here for the call and by the autograd node for backward, as the
     # Python path's ctx.client is: a client garbage collected in between
     # would close its connection under the operator.
@@ -624,14 +632,8 @@ def _run_eager(rms, input, weight, bias, shape, eps, memory_efficient, client):
     handle = conn.handle if conn.eager_bound else _eager.conn_key(conn)
     if handle is None:
         conn.checked_handle()  # raises: the client is closed
-    if type(eps) is not float:
-        eps = 0.0 if eps is None else float(eps)
     try:
-        y = op(input, weight, bias, shape, eps, rms, memory_efficient, handle)
-        node = y.grad_fn
-        if node is not None:
-            node.metadata["normd_client"] = client
-        return y
+        out = op(*args, handle)
     except RuntimeError as e:
         what = _eager.error(e)
         if what is None:
@@ -639,6 +641,10 @@ def _run_eager(rms, input, weight, bias, shape, eps, memory_efficient, client):
         if what == "fallback":
             return None
         raise _worded(what) from None
+    node = (out[0] if isinstance(out, tuple) else out).grad_fn
+    if node is not None:
+        node.metadata["normd_client"] = client
+    return out
 
 
 def _apply(rms, mixed, input, weight, bias, shape, eps, memory_efficient, client):

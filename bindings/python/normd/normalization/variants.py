@@ -64,7 +64,7 @@ from ..job_ext import feature_names
 from .fused_layer_norm import (_CAPTURE_MESSAGE, _DTYPES, FusedLayerNorm, FusedRMSNorm,
                                _any_autocast, _autocast_cast, _autocast_enabled, _capturing,
                                _check_param, _daemon_input, _normalized_shape, _raw_stream,
-                               _rows_cols, _run_staged, _worded)
+                               _rows_cols, _run_staged)
 
 # The module, not the package's function of the same name (fused_layer_norm._eager_op).
 _fln = importlib.import_module(__package__ + ".fused_layer_norm")
@@ -474,25 +474,13 @@ def _run_eager(rms, input, residual, weight, bias, shape, eps, weight_offset, me
     op = _eager.variant_op()
     if op is None or completion_mode() != "enqueue":
         return None
-    conn = client._conn
-    handle = conn.handle if conn.eager_bound else _eager.conn_key(conn)
-    if handle is None:
-        conn.checked_handle()  # raises: the client is closed
     if type(eps) is not float:
         eps = 0.0 if eps is None else float(eps)
-    try:
-        y, s = op(input, residual, weight, bias, shape, eps, rms, float(weight_offset or 0.0),
-                  memory_efficient, handle)
-    except RuntimeError as e:
-        what = _eager.error(e)
-        if what is None:
-            raise
-        if what == "fallback":
-            return None
-        raise _worded(what) from None
-    # The autograd node holds the client for backward, as FusedNormVariantFunction's ctx does.
-    if y.grad_fn is not None:
-        y.grad_fn.metadata["normd_client"] = client
+    out = _fln._operator_call(op, client, input, residual, weight, bias, shape, eps, rms,
+                              float(weight_offset or 0.0), memory_efficient)
+    if out is None:
+        return None
+    y, s = out
     return y, (s if residual is not None else None)
 
 
