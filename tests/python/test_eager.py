@@ -671,3 +671,18 @@ def test_the_variant_operator_refusals_and_fallbacks(variant_paths, recorder):
     # The operator leaves it to the Python path, whose check raises.
     with pytest.raises(RuntimeError, match="residual has shape"):
         variant_paths(True, residual_of_another_shape)
+
+
+@pytest.mark.parametrize("use_operator", [True, False])
+def test_the_variants_differentiable_once_as_on_the_python_path(variant_paths, use_operator):
+    def twice(c):
+        m = N.FusedAddRMSNorm(16)
+        m.client = c
+        x = torch.randn(3, 16, requires_grad=True)
+        y, s = m(x, torch.randn(3, 16))
+        (g,) = torch.autograd.grad((y ** 2).sum() + (s ** 2).sum(), x, create_graph=True)
+        assert g.requires_grad
+        g.sum().backward()
+
+    with pytest.raises(RuntimeError, match="differentiate twice a function"):
+        variant_paths(use_operator, twice)
