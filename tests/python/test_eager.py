@@ -379,9 +379,14 @@ def ops_paths(operator, recorder, client, monkeypatch):
     The kernels learn a client's key from the Python implementation's first
     call, so a call through them is made twice and the second one counts.
     """
+    yield from _kernels_paths(operator, recorder, client, monkeypatch,
+                              _as_cuda(client, monkeypatch), _jobs_of)
+
+
+def _kernels_paths(operator, recorder, client, monkeypatch, python_calls, jobs_of):
+    """ops_paths' run(use_kernels, call) with its jobs from jobs_of, then its teardown."""
     from normd import client as client_module
 
-    python_calls = _as_cuda(client, monkeypatch)
     old_mode = normd.set_completion_mode(None)
     monkeypatch.setitem(eager._state, "op", operator)
     monkeypatch.setitem(eager._state, "tried", True)
@@ -391,7 +396,7 @@ def ops_paths(operator, recorder, client, monkeypatch):
         _bind_recorder(recorder, use_kernels)
         if use_kernels:
             call(client)  # the Python implementation tells the kernels the client's key
-        return _jobs_of(call, client, recorder, python_calls)
+        return jobs_of(call, client, recorder, python_calls)
 
     yield run
     torch.ops.normd_eager.client_key(client._key, 0)
@@ -552,16 +557,34 @@ _VARIANT_NAMES = dict(_ROLE_NAMES, residual=("residual",), residual_out=("s",), 
                       dx=("input.grad", "residual.grad"))
 
 
-@pytest.fixture
-def variant_paths(operator, recorder, client, monkeypatch):
-    """As `paths`, for the variants: run(use_operator, call) -> (jobs, by operator, by Python)."""
+def _as_cuda_variants(client, monkeypatch):
+    """_as_cuda, and the variants' Python path's library calls (_enqueue_device_ext) recorded."""
     python_calls = _as_cuda(client, monkeypatch)
     monkeypatch.setattr(variants_module, "_capturing", lambda: False)
     monkeypatch.setattr(variants_module, "_raw_stream", lambda index: 0)
-    all_roles = _lib.ALL_JOB_TENSORS
     monkeypatch.setattr(client, "_enqueue_device_ext", lambda job, ext, ptrs, stream:
                         python_calls.append((_job_fields(job) + (round(ext.weight_offset, 6),),
-                                             struct.unpack("@%dP" % all_roles, ptrs), stream)))
+                                             struct.unpack("@%dP" % _lib.ALL_JOB_TENSORS, ptrs),
+                                             stream)))
+    return python_calls
+
+
+def _variant_jobs_of(call, client, recorder, python_calls):
+    """_jobs_of over every role, with each job's weight offset."""
+    recorder.rec_reset()
+    python_calls.clear()
+    named = call(client)
+    ours = [(_job_fields(recorder.rec_job(i).contents) + (round(recorder.rec_offset(i), 6),),
+             tuple(recorder.rec_ptrs(i)[k] or 0 for k in range(_lib.ALL_JOB_TENSORS)),
+             recorder.rec_stream(i) or 0) for i in range(recorder.rec_count())]
+    return (_symbolic(ours + python_calls, named, _lib.TENSOR_ROLES + _lib.EXT_TENSOR_ROLES,
+                      _VARIANT_NAMES), len(ours), len(python_calls))
+
+
+@pytest.fixture
+def variant_paths(operator, recorder, client, monkeypatch):
+    """As `paths`, for the variants: run(use_operator, call) -> (jobs, by operator, by Python)."""
+    python_calls = _as_cuda_variants(client, monkeypatch)
     op = torch.ops.normd_eager.variant_norm.default._op
     monkeypatch.setattr(eager, "variant_op", lambda: op)
     old_mode = normd.set_completion_mode(None)
@@ -569,14 +592,7 @@ def variant_paths(operator, recorder, client, monkeypatch):
 
     def run(use_operator, call):
         monkeypatch.setattr(fln, "_eager_op", operator if use_operator else False)
-        recorder.rec_reset()
-        python_calls.clear()
-        named = call(client)
-        ours = [(_job_fields(recorder.rec_job(i).contents) + (round(recorder.rec_offset(i), 6),),
-                 tuple(recorder.rec_ptrs(i)[k] or 0 for k in range(all_roles)),
-                 recorder.rec_stream(i) or 0) for i in range(recorder.rec_count())]
-        return (_symbolic(ours + python_calls, named, _lib.TENSOR_ROLES + _lib.EXT_TENSOR_ROLES,
-                          _VARIANT_NAMES), len(ours), len(python_calls))
+        return _variant_jobs_of(call, client, recorder, python_calls)
 
     yield run
     normd.set_default_client(None)
@@ -686,3 +702,51 @@ def test_the_variants_differentiable_once_as_on_the_python_path(variant_paths, u
 
     with pytest.raises(RuntimeError, match="differentiate twice a function"):
         variant_paths(use_operator, twice)
+
+
+# ---- the C++ kernels of the variants' torch.library ops ----------------------------------
+
+
+@pytest.fixture
+def variant_ops_paths(operator, recorder, client, monkeypatch):
+    """As ops_paths, for normd::norm_variant_fwd / _bwd (their jobs with every role)."""
+    yield from _kernels_paths(operator, recorder, client, monkeypatch,
+                              _as_cuda_variants(client, monkeypatch), _variant_jobs_of)
+
+
+def _through_variant_ops(rms, memory_efficient, residual, weight_offset, grads=("y", "s")):
+    from normd.normalization import variant_ops
+
+    def call(client):
+        torch.manual_seed(5)
+        x = torch.randn(6, 64, dtype=torch.bfloat16).requires_grad_()
+        r = torch.randn(6, 64, dtype=torch.bfloat16).requires_grad_() if residual else None
+        w = torch.randn(64, dtype=torch.bfloat16).requires_grad_()
+        b = None if rms else torch.randn(64, dtype=torch.bfloat16).requires_grad_()
+        y, s = variant_ops.norm(rms, x, r, w, b, (64,), 1e-5, weight_offset, memory_efficient,
+                                client)
+        dy, ds = torch.randn_like(y), (torch.randn_like(s) if s is not None else None)
+        outs = [(t, g) for name, t, g in (("y", y, dy), ("s", s, ds))
+                if name in grads and t is not None]
+        torch.autograd.backward([t for t, _ in outs], [g for _, g in outs])
+        return lambda: {"input": x, "residual": r, "weight": w, "bias": b, "output": y, "s": s,
+                        "dy": dy, "ds": ds, "input.grad": x.grad,
+                        "residual.grad": None if r is None else r.grad, "weight.grad": w.grad,
+                        "bias.grad": None if b is None else b.grad}
+
+    return call
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["", "memory_efficient"])
+@pytest.mark.parametrize("residual, weight_offset, grads", [
+    (True, 0.0, ("y", "s")), (True, 1.0, ("y",)), (False, 0.5, ("y",)), (True, 0.0, ("s",))],
+    ids=["add", "add zero-centered, only y", "offset", "only s"])
+def test_the_variant_ops_kernels_hand_the_library_what_their_python_does(
+        variant_ops_paths, rms, memory_efficient, residual, weight_offset, grads):
+    call = _through_variant_ops(rms, memory_efficient, residual, weight_offset, grads)
+    ours, by_kernels, _ = variant_ops_paths(True, call)
+    python, _, by_python = variant_ops_paths(False, call)
+    # Two jobs even when only s is used: the op's autograd hands backward zeros for y.
+    assert (by_kernels, by_python) == (2, 2)
+    assert ours == python

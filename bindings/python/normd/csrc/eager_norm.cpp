@@ -429,6 +429,50 @@ VariantForward run_variant_forward(const Tensor &input, const Tensor &residual_i
 	return f;
 }
 
+struct VariantBackward {
+	Tensor dx, dgamma, dbeta;
+};
+
+// dx = dnorm(x) + ds (the gradient of both input and residual), dgamma and dbeta
+// where wanted (else undefined), for the saved x. Without grad_y only s was used:
+// dx is grad_s, fresh where `fresh_dx` (an op's outputs alias none of its inputs).
+VariantBackward run_variant_backward(const Tensor &grad_y, const Tensor &grad_s, const Tensor &x,
+				     const Tensor &weight, const Tensor &bias, const Tensor &mean,
+				     const Tensor &invvar, uint64_t rows, uint64_t cols, double eps,
+				     bool rms, double weight_offset, bool memory_efficient,
+				     int weight_dtype, bool want_dgamma, bool want_dbeta,
+				     int64_t handle, bool fresh_dx)
+{
+	VariantBackward b;
+	if (!grad_y.defined()) {
+		if (grad_s.defined())
+			b.dx = fresh_dx ? grad_s.to(x.scalar_type(), false, true,
+						    at::MemoryFormat::Contiguous)
+					: grad_s.to(x.scalar_type()).contiguous();
+		b.dgamma = want_dgamma ? at::zeros_like(weight) : Tensor();
+		b.dbeta = want_dbeta ? at::zeros_like(bias) : Tensor();
+		return b;
+	}
+	Tensor dy = grad_y.contiguous();
+	if (dy.scalar_type() != x.scalar_type())
+		dy = dy.to(x.scalar_type());
+	Tensor ds;
+	if (grad_s.defined())
+		ds = grad_s.scalar_type() == x.scalar_type() ? grad_s.contiguous()
+							     : grad_s.to(x.scalar_type()).contiguous();
+	b.dx = at::empty(x.sizes(), x.options());
+	b.dgamma = want_dgamma ? at::empty(weight.sizes(), weight.options()) : Tensor();
+	b.dbeta = want_dbeta ? at::empty(bias.sizes(), bias.options()) : Tensor();
+	Tensor t[NC_JOB_ALL_TENSORS] = {x, Tensor(), mean, invvar, weight, bias, dy, b.dx, b.dgamma,
+					b.dbeta};
+	t[ROLE_DS] = ds;
+	enqueue_variant(handle, x, rms ? NC_RMSNORM_BWD : NC_LAYERNORM_BWD, rows, cols, eps,
+			dtype_code(x.scalar_type()), weight_dtype,
+			memory_efficient ? static_cast<unsigned>(NC_MEMORY_EFFICIENT) : 0u,
+			weight_offset, t);
+	return b;
+}
+
 class VariantFunction : public torch::autograd::Function<VariantFunction> {
       public:
 	// Returns (y, s); s is an empty tensor without residual (an op returns no None).
@@ -491,45 +535,20 @@ class VariantFunction : public torch::autograd::Function<VariantFunction> {
 		const size_t bias_edge = weight_edge + (weight.defined() ? 1 : 0);
 		const bool want_dgamma = weight.defined() && ctx->needs_input_grad(weight_edge);
 		const bool want_dbeta = bias.defined() && ctx->needs_input_grad(bias_edge);
-		Tensor dx, dgamma, dbeta;
-		if (!grad_y.defined()) {
-			// Only s was used: dnorm(s) is zero.
-			if (grad_s.defined())
-				dx = grad_s.to(x.scalar_type()).contiguous();
-			dgamma = want_dgamma ? at::zeros_like(weight) : Tensor();
-			dbeta = want_dbeta ? at::zeros_like(bias) : Tensor();
-		} else {
-			Tensor dy = grad_y.contiguous();
-			if (dy.scalar_type() != x.scalar_type())
-				dy = dy.to(x.scalar_type());
-			Tensor ds;
-			if (grad_s.defined())
-				ds = grad_s.scalar_type() == x.scalar_type()
-					     ? grad_s.contiguous()
-					     : grad_s.to(x.scalar_type()).contiguous();
-			dx = at::empty(x.sizes(), x.options());
-			dgamma = want_dgamma ? at::empty(weight.sizes(), weight.options()) : Tensor();
-			dbeta = want_dbeta ? at::empty(bias.sizes(), bias.options()) : Tensor();
-			Tensor t[NC_JOB_ALL_TENSORS] = {x,  Tensor(), saved[3], saved[4], weight,
-							bias, dy,	dx,	  dgamma,   dbeta};
-			t[ROLE_DS] = ds;
-			const bool rms = job[JOB_RMS] != 0;
-			try {
-				enqueue_variant(job[JOB_HANDLE], x, rms ? NC_RMSNORM_BWD : NC_LAYERNORM_BWD,
-						static_cast<uint64_t>(job[JOB_ROWS]),
-						static_cast<uint64_t>(job[JOB_COLS]),
-						ctx->saved_data["eps"].toDouble(),
-						dtype_code(x.scalar_type()),
-						static_cast<int>(job[JOB_WEIGHT_DTYPE]),
-						job[JOB_MEMORY_EFFICIENT] != 0
-							? static_cast<unsigned>(NC_MEMORY_EFFICIENT)
-							: 0u,
-						ctx->saved_data["weight_offset"].toDouble(), t);
-			} catch (const Fallback &why) {
-				throw_error("normd error %d (INVALID_ARGUMENT): %s",
-					    static_cast<int>(NC_EINVALID_ARGUMENT), why.why);
-			}
+		VariantBackward b;
+		try {
+			b = run_variant_backward(
+				grad_y, grad_s, x, weight, bias, saved[3], saved[4],
+				static_cast<uint64_t>(job[JOB_ROWS]), static_cast<uint64_t>(job[JOB_COLS]),
+				ctx->saved_data["eps"].toDouble(), job[JOB_RMS] != 0,
+				ctx->saved_data["weight_offset"].toDouble(), job[JOB_MEMORY_EFFICIENT] != 0,
+				static_cast<int>(job[JOB_WEIGHT_DTYPE]), want_dgamma, want_dbeta,
+				job[JOB_HANDLE], false);
+		} catch (const Fallback &why) {
+			throw_error("normd error %d (INVALID_ARGUMENT): %s",
+				    static_cast<int>(NC_EINVALID_ARGUMENT), why.why);
 		}
+		const Tensor &dx = b.dx, &dgamma = b.dgamma, &dbeta = b.dbeta;
 		return {ctx->needs_input_grad(0) ? dx : Tensor(),
 			has_residual && ctx->needs_input_grad(residual_edge) ? dx : Tensor(), dgamma,
 			dbeta};
@@ -699,6 +718,77 @@ void backward_kernel(const c10::OperatorHandle &op, c10::DispatchKeySet, torch::
 		torch::jit::push(*stack, b.dbeta.defined() ? b.dbeta : none());
 }
 
+// normd::norm_variant_fwd(input, residual?, weight?, bias?, normalized_shape, eps,
+// rms, weight_offset, memory_efficient, client) -> (y, s, mean, invvar): s empty
+// without residual, mean empty for RMSNorm (normalization/variant_ops.py).
+void variant_forward_kernel(const c10::OperatorHandle &op, c10::DispatchKeySet,
+			    torch::jit::Stack *stack)
+{
+	constexpr size_t n = 10;
+	const auto args = torch::jit::last(*stack, n);
+	const int64_t handle = compiled_handle(args[9].toInt());
+	if (!handle)
+		return python_kernel(op, stack);
+	const Tensor input = args[0].toTensor();
+	VariantForward f;
+	try {
+		f = run_variant_forward(input, optional_tensor(args[1]), optional_tensor(args[2]),
+					optional_tensor(args[3]), int_list(args[4]), args[5].toDouble(),
+					args[6].toBool(), args[7].toDouble(), handle);
+	} catch (const Fallback &) {
+		return python_kernel(op, stack);
+	}
+	torch::jit::drop(*stack, n);
+	torch::jit::push(*stack, f.y);
+	torch::jit::push(*stack, f.s.defined() ? f.s : at::empty({0}, input.options()));
+	torch::jit::push(*stack, f.mean.defined() ? f.mean : at::empty({0}, f.invvar.options()));
+	torch::jit::push(*stack, f.invvar);
+}
+
+// normd::norm_variant_bwd(grad_y?, grad_s?, saved, weight?, bias?, mean?, invvar,
+// normalized_shape, eps, rms, weight_offset, memory_efficient, weight_grad,
+// bias_grad, client) -> (dx, dgamma, dbeta), those not asked for empty float32.
+void variant_backward_kernel(const c10::OperatorHandle &op, c10::DispatchKeySet,
+			     torch::jit::Stack *stack)
+{
+	constexpr size_t n = 15;
+	const auto args = torch::jit::last(*stack, n);
+	const int64_t handle = compiled_handle(args[14].toInt());
+	if (!handle)
+		return python_kernel(op, stack);
+	const Tensor grad_y = optional_tensor(args[0]), grad_s = optional_tensor(args[1]);
+	const Tensor invvar = args[6].toTensor();
+	const bool rms = args[9].toBool(), memory_efficient = args[11].toBool();
+	VariantBackward b;
+	try {
+		const Tensor saved = args[2].toTensor().contiguous();
+		const Tensor weight = optional_tensor(args[3]), bias = optional_tensor(args[4]);
+		const Tensor w = weight.defined() ? weight.contiguous() : Tensor();
+		const Tensor bi = bias.defined() ? bias.contiguous() : Tensor();
+		const Tensor mean = optional_tensor(args[5]);
+		const Plan p = plan(saved, w, bi, int_list(args[7]));
+		const int64_t rows = static_cast<int64_t>(p.rows), cols = static_cast<int64_t>(p.cols);
+		if ((grad_y.defined() && !fits(grad_y, saved, rows * cols, false)) ||
+		    (grad_s.defined() && !fits(grad_s, saved, rows * cols, false)) ||
+		    (!grad_y.defined() && !grad_s.defined()) || !fits(invvar, saved, rows, true) ||
+		    (mean.defined() && !fits(mean, saved, rows, true)) ||
+		    (grad_y.defined() && !rms && !memory_efficient && !mean.defined()))
+			throw Fallback{"the backward's tensors do not fit"};
+		b = run_variant_backward(grad_y, grad_s, saved, w, bi, mean, invvar, p.rows, p.cols,
+					 args[8].toDouble(), rms, args[10].toDouble(),
+					 memory_efficient, p.weight_dtype,
+					 args[12].toBool() && w.defined(),
+					 args[13].toBool() && bi.defined(), handle, true);
+	} catch (const Fallback &) {
+		return python_kernel(op, stack);
+	}
+	const auto none = [&] { return at::empty({0}, invvar.options()); };
+	torch::jit::drop(*stack, n);
+	torch::jit::push(*stack, b.dx);
+	torch::jit::push(*stack, b.dgamma.defined() ? b.dgamma : none());
+	torch::jit::push(*stack, b.dbeta.defined() ? b.dbeta : none());
+}
+
 // ---- what the Python package tells the operator ----
 
 void bind(int64_t enqueue_device_addr, int64_t last_error_addr, int64_t status_name_addr,
@@ -778,6 +868,10 @@ TORCH_LIBRARY_IMPL(normd, CUDA, m)
 	m.impl("rms_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&forward_kernel<true>>());
 	m.impl("layer_norm_bwd", torch::CppFunction::makeFromBoxedFunction<&backward_kernel<false>>());
 	m.impl("rms_norm_bwd", torch::CppFunction::makeFromBoxedFunction<&backward_kernel<true>>());
+	m.impl("norm_variant_fwd",
+	       torch::CppFunction::makeFromBoxedFunction<&variant_forward_kernel>());
+	m.impl("norm_variant_bwd",
+	       torch::CppFunction::makeFromBoxedFunction<&variant_backward_kernel>());
 }
 
 // Host tensors: the Python kernel, but under the stub (accept_host), whose tests compare the two.
@@ -787,4 +881,8 @@ TORCH_LIBRARY_IMPL(normd, CPU, m)
 	m.impl("rms_norm_fwd", torch::CppFunction::makeFromBoxedFunction<&forward_kernel<true>>());
 	m.impl("layer_norm_bwd", torch::CppFunction::makeFromBoxedFunction<&backward_kernel<false>>());
 	m.impl("rms_norm_bwd", torch::CppFunction::makeFromBoxedFunction<&backward_kernel<true>>());
+	m.impl("norm_variant_fwd",
+	       torch::CppFunction::makeFromBoxedFunction<&variant_forward_kernel>());
+	m.impl("norm_variant_bwd",
+	       torch::CppFunction::makeFromBoxedFunction<&variant_backward_kernel>());
 }

@@ -27,6 +27,10 @@ daemon the client is connected to (``route()``, which torch.compile treats
 as a constant: a daemon's features do not change while it serves a
 connection). The in-place forms have no op: under compile they are
 computed by torch.
+
+Unless ``NORMD_EAGER=0``, norm_variant_fwd and norm_variant_bwd have C++
+CUDA kernels (normd/csrc/eager_norm.cpp), as the plain ops do: the enqueue
+mode's common case runs there, every other call in the Python below.
 """
 
 import math
@@ -82,8 +86,9 @@ def _fwd(input: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
          bias: Optional[Tensor], normalized_shape: Sequence[int], eps: float, rms: bool,
          weight_offset: float, memory_efficient: bool,
          client: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    # custom_ops._client: also tells the operator's kernels the key (eager_norm.cpp).
     y, s, mean, invvar, _, _ = _variants._forward(
-        client_by_key(client), rms, input, residual, weight, bias,
+        custom_ops._client(client), rms, input, residual, weight, bias,
         _normalized_shape(normalized_shape), eps, weight_offset)
     return (y, _placeholder(input) if s is None else s,
             _placeholder(invvar) if mean is None else mean, invvar)
@@ -93,7 +98,7 @@ class _BackwardArgs:
     """The attributes variants._backward reads from an autograd ctx."""
 
     def __init__(self, client, shape, eps, rms, weight_offset, memory_efficient, weight, saved):
-        self.client = client_by_key(client)
+        self.client = custom_ops._client(client)
         self.shape = _normalized_shape(shape)
         self.eps = eps
         self.rms = rms
