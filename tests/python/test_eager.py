@@ -750,3 +750,19 @@ def test_the_variant_ops_kernels_hand_the_library_what_their_python_does(
     # Two jobs even when only s is used: the op's autograd hands backward zeros for y.
     assert (by_kernels, by_python) == (2, 2)
     assert ours == python
+
+
+def test_the_variant_ops_kernels_hand_a_capturing_stream_to_python(variant_ops_paths,
+                                                                    recorder):
+    unsupported = _lib.STATUS_CODES["UNSUPPORTED"]
+    call = _through_variant_ops(True, False, True, 0.0)
+
+    def capturing(c):
+        call(c)  # the key learned; then the forward op's library call refuses the stream
+        recorder.rec_fail(unsupported, 1 << 3, b"the stream is capturing a CUDA graph, and ...")
+        return call(c)
+
+    # In C++: the first call's jobs and the second's backward; the refused forward went to
+    # the Python implementation (its library call recorded here).
+    _, by_kernels, by_python = variant_ops_paths(True, capturing)
+    assert (by_kernels, by_python) == (3, 1)

@@ -136,6 +136,21 @@ struct Fallback {
 	const char *why;
 };
 
+// After the library's call: a refusal raised (a capturing stream a Fallback where
+// the caller can hand the call to Python), else one job more enqueued.
+void enqueued(int rc, bool capture_falls_back)
+{
+	if (rc && capture_falls_back && rc == NC_EUNSUPPORTED) {
+		static const char capturing[] = "the stream is capturing";
+		const char *message = last_error.load()();
+		if (message && strncmp(message, capturing, sizeof(capturing) - 1) == 0)
+			throw Fallback{"the stream is capturing a CUDA graph"};
+	}
+	if (rc)
+		library_error(rc);
+	jobs_enqueued.fetch_add(1, std::memory_order_relaxed);
+}
+
 // A norm job's fields, its tensors absent.
 struct nc_job norm_job(int op, uint64_t rows, uint64_t cols, double eps, int dtype,
 		       int weight_dtype, unsigned flags)
@@ -164,15 +179,7 @@ void enqueue(int64_t handle, const Tensor &on, int op, uint64_t rows, uint64_t c
 	for (int i = 0; i < 10; i++)
 		ptrs[i] = ptr_or_null(t[i]);
 	int rc = enqueue_device.load()(conn, &job, ptrs, current_stream(on));
-	if (rc && capture_falls_back && rc == NC_EUNSUPPORTED) {
-		static const char capturing[] = "the stream is capturing";
-		const char *message = last_error.load()();
-		if (message && strncmp(message, capturing, sizeof(capturing) - 1) == 0)
-			throw Fallback{"the stream is capturing a CUDA graph"};
-	}
-	if (rc)
-		library_error(rc);
-	jobs_enqueued.fetch_add(1, std::memory_order_relaxed);
+	enqueued(rc, capture_falls_back);
 }
 
 // The shapes and dtypes normd.normalization's Python path accepts without
@@ -371,7 +378,7 @@ Tensor norm(const Tensor &input, const std::optional<Tensor> &weight,
 // One job with variants through nc_job_enqueue_device_ext; `t` in role order.
 void enqueue_variant(int64_t handle, const Tensor &on, int op, uint64_t rows, uint64_t cols,
 		     double eps, int dtype, int weight_dtype, unsigned flags, double weight_offset,
-		     const Tensor (&t)[NC_JOB_ALL_TENSORS])
+		     const Tensor (&t)[NC_JOB_ALL_TENSORS], bool capture_falls_back)
 {
 	const auto call = enqueue_device_ext.load();
 	if (!call)
@@ -383,10 +390,7 @@ void enqueue_variant(int64_t handle, const Tensor &on, int op, uint64_t rows, ui
 	const void *ptrs[NC_JOB_ALL_TENSORS] = {};
 	for (int i = 0; i < NC_JOB_ALL_TENSORS; i++)
 		ptrs[i] = ptr_or_null(t[i]);
-	int rc = call(conn, &job, &ext, ptrs, current_stream(on));
-	if (rc)
-		library_error(rc);
-	jobs_enqueued.fetch_add(1, std::memory_order_relaxed);
+	enqueued(call(conn, &job, &ext, ptrs, current_stream(on)), capture_falls_back);
 }
 
 // The roles of struct nc_job_ext after struct nc_job's ten norm roles and main_grad.
@@ -400,7 +404,7 @@ struct VariantForward {
 VariantForward run_variant_forward(const Tensor &input, const Tensor &residual_in,
 				   const Tensor &weight_in, const Tensor &bias_in,
 				   c10::IntArrayRef shape, double eps, bool rms, double weight_offset,
-				   int64_t handle)
+				   int64_t handle, bool capture_falls_back)
 {
 	VariantForward f;
 	f.weight = weight_in.defined() ? weight_in.contiguous() : Tensor();
@@ -425,7 +429,7 @@ VariantForward run_variant_forward(const Tensor &input, const Tensor &residual_i
 	t[ROLE_RESIDUAL] = r;
 	t[ROLE_RESIDUAL_OUT] = f.s;
 	enqueue_variant(handle, f.x, rms ? NC_RMSNORM_FWD : NC_LAYERNORM_FWD, f.p.rows, f.p.cols,
-			eps, f.p.dtype, f.p.weight_dtype, 0, weight_offset, t);
+			eps, f.p.dtype, f.p.weight_dtype, 0, weight_offset, t, capture_falls_back);
 	return f;
 }
 
@@ -441,7 +445,7 @@ VariantBackward run_variant_backward(const Tensor &grad_y, const Tensor &grad_s,
 				     const Tensor &invvar, uint64_t rows, uint64_t cols, double eps,
 				     bool rms, double weight_offset, bool memory_efficient,
 				     int weight_dtype, bool want_dgamma, bool want_dbeta,
-				     int64_t handle, bool fresh_dx)
+				     int64_t handle, bool fresh_dx, bool capture_falls_back)
 {
 	VariantBackward b;
 	if (!grad_y.defined()) {
@@ -469,7 +473,7 @@ VariantBackward run_variant_backward(const Tensor &grad_y, const Tensor &grad_s,
 	enqueue_variant(handle, x, rms ? NC_RMSNORM_BWD : NC_LAYERNORM_BWD, rows, cols, eps,
 			dtype_code(x.scalar_type()), weight_dtype,
 			memory_efficient ? static_cast<unsigned>(NC_MEMORY_EFFICIENT) : 0u,
-			weight_offset, t);
+			weight_offset, t, capture_falls_back);
 	return b;
 }
 
@@ -487,7 +491,7 @@ class VariantFunction : public torch::autograd::Function<VariantFunction> {
 		try {
 			f = run_variant_forward(input, residual ? *residual : Tensor(),
 						weight ? *weight : Tensor(), bias ? *bias : Tensor(),
-						shape, eps, rms, weight_offset, handle);
+						shape, eps, rms, weight_offset, handle, false);
 		} catch (const Fallback &why) {
 			fallback(why.why);
 		}
@@ -503,10 +507,9 @@ class VariantFunction : public torch::autograd::Function<VariantFunction> {
 			memory_efficient, f.p.weight_dtype, handle, has_residual};
 		ctx->saved_data["eps"] = eps;
 		ctx->saved_data["weight_offset"] = weight_offset;
-		Tensor s = has_residual ? f.s : at::empty({0}, f.x.options());
-		if (!has_residual)
-			ctx->mark_non_differentiable({s});
-		return {f.y, s};
+		// Without residual s is a placeholder whose gradient backward ignores (not
+		// marked non-differentiable: compiled autograd refuses nodes that mark any).
+		return {f.y, has_residual ? f.s : at::empty({0}, f.x.options())};
 	}
 
 	static variable_list backward(AutogradContext *ctx, variable_list grads)
@@ -538,12 +541,13 @@ class VariantFunction : public torch::autograd::Function<VariantFunction> {
 		VariantBackward b;
 		try {
 			b = run_variant_backward(
-				grad_y, grad_s, x, weight, bias, saved[3], saved[4],
+				grad_y, has_residual ? grad_s : Tensor(), x, weight, bias, saved[3],
+				saved[4],
 				static_cast<uint64_t>(job[JOB_ROWS]), static_cast<uint64_t>(job[JOB_COLS]),
 				ctx->saved_data["eps"].toDouble(), job[JOB_RMS] != 0,
 				ctx->saved_data["weight_offset"].toDouble(), job[JOB_MEMORY_EFFICIENT] != 0,
 				static_cast<int>(job[JOB_WEIGHT_DTYPE]), want_dgamma, want_dbeta,
-				job[JOB_HANDLE], false);
+				job[JOB_HANDLE], false, false);
 		} catch (const Fallback &why) {
 			throw_error("normd error %d (INVALID_ARGUMENT): %s",
 				    static_cast<int>(NC_EINVALID_ARGUMENT), why.why);
@@ -734,7 +738,7 @@ void variant_forward_kernel(const c10::OperatorHandle &op, c10::DispatchKeySet,
 	try {
 		f = run_variant_forward(input, optional_tensor(args[1]), optional_tensor(args[2]),
 					optional_tensor(args[3]), int_list(args[4]), args[5].toDouble(),
-					args[6].toBool(), args[7].toDouble(), handle);
+					args[6].toBool(), args[7].toDouble(), handle, true);
 	} catch (const Fallback &) {
 		return python_kernel(op, stack);
 	}
@@ -778,7 +782,7 @@ void variant_backward_kernel(const c10::OperatorHandle &op, c10::DispatchKeySet,
 					 args[8].toDouble(), rms, args[10].toDouble(),
 					 memory_efficient, p.weight_dtype,
 					 args[12].toBool() && w.defined(),
-					 args[13].toBool() && bi.defined(), handle, true);
+					 args[13].toBool() && bi.defined(), handle, true, true);
 	} catch (const Fallback &) {
 		return python_kernel(op, stack);
 	}
