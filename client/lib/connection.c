@@ -279,7 +279,8 @@ static int read_frame(nc_conn *conn, int64_t deadline, Normd__Envelope **out)
 		}
 		/*
 		 * A look without waiting (an enqueue's, once a millisecond or 32
-		 * requests) is one recv, not poll + recv; nc__poll_replies's none once a recv found less than it asked for.
+		 * requests) is one recv, not poll + recv; nc__poll_replies's none
+		 * once a recv found less than it asked for.
 		 */
 		bool look = ms_left(deadline) == 0;
 		if (look && conn->polling && conn->drained)
@@ -535,7 +536,7 @@ void nc__poll_replies(nc_conn *conn)
 		conn->last_look_id = conn->next_request_id;
 		conn->polling = true;
 		conn->drained = false;
-		while (read_one_locked(conn, now_ms()) == 0)
+		while (read_one_locked(conn, (int64_t)(now / 1000000)) == 0)
 			;
 		conn->polling = false;
 	}

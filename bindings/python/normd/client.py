@@ -613,8 +613,9 @@ class Client:
         bounds) raises NormdError here and queues nothing; a job the daemon
         refuses or fails later has its outputs filled with NaN and its error
         raised by a later enqueue() (one a millisecond or 32 requests after the
-        reply came; it then queues nothing), check() or stream_wait(). WGRAD_ACCUM cannot be enqueued (UNSUPPORTED). A
-        daemon that dies: DISCONNECTED, and the streams are released.
+        reply came; it then queues nothing), check() or stream_wait().
+        WGRAD_ACCUM cannot be enqueued (UNSUPPORTED). A daemon that dies:
+        DISCONNECTED, and the streams are released.
         """
         job, keep = self.make_job(op, rows, cols, **job_args)
         if stream is None:

@@ -439,31 +439,27 @@ struct VariantBackward {
 
 // dx = dnorm(x) + ds (the gradient of both input and residual), dgamma and dbeta
 // where wanted (else undefined), for the saved x. Without grad_y only s was used:
-// dx is grad_s, fresh where `fresh_dx` (an op's outputs alias none of its inputs).
+// dx is grad_s. For an op's kernel (`kernel`) dx is then a copy (an op's outputs
+// alias none of its inputs) and a capturing stream goes back to Python.
 VariantBackward run_variant_backward(const Tensor &grad_y, const Tensor &grad_s, const Tensor &x,
 				     const Tensor &weight, const Tensor &bias, const Tensor &mean,
 				     const Tensor &invvar, uint64_t rows, uint64_t cols, double eps,
 				     bool rms, double weight_offset, bool memory_efficient,
 				     int weight_dtype, bool want_dgamma, bool want_dbeta,
-				     int64_t handle, bool fresh_dx, bool capture_falls_back)
+				     int64_t handle, bool kernel)
 {
 	VariantBackward b;
 	if (!grad_y.defined()) {
 		if (grad_s.defined())
-			b.dx = fresh_dx ? grad_s.to(x.scalar_type(), false, true,
-						    at::MemoryFormat::Contiguous)
-					: grad_s.to(x.scalar_type()).contiguous();
+			b.dx = kernel ? grad_s.to(x.scalar_type(), false, true,
+						  at::MemoryFormat::Contiguous)
+				      : grad_s.to(x.scalar_type()).contiguous();
 		b.dgamma = want_dgamma ? at::zeros_like(weight) : Tensor();
 		b.dbeta = want_dbeta ? at::zeros_like(bias) : Tensor();
 		return b;
 	}
-	Tensor dy = grad_y.contiguous();
-	if (dy.scalar_type() != x.scalar_type())
-		dy = dy.to(x.scalar_type());
-	Tensor ds;
-	if (grad_s.defined())
-		ds = grad_s.scalar_type() == x.scalar_type() ? grad_s.contiguous()
-							     : grad_s.to(x.scalar_type()).contiguous();
+	const Tensor dy = grad_y.to(x.scalar_type()).contiguous();
+	const Tensor ds = grad_s.defined() ? grad_s.to(x.scalar_type()).contiguous() : Tensor();
 	b.dx = at::empty(x.sizes(), x.options());
 	b.dgamma = want_dgamma ? at::empty(weight.sizes(), weight.options()) : Tensor();
 	b.dbeta = want_dbeta ? at::empty(bias.sizes(), bias.options()) : Tensor();
@@ -473,7 +469,7 @@ VariantBackward run_variant_backward(const Tensor &grad_y, const Tensor &grad_s,
 	enqueue_variant(handle, x, rms ? NC_RMSNORM_BWD : NC_LAYERNORM_BWD, rows, cols, eps,
 			dtype_code(x.scalar_type()), weight_dtype,
 			memory_efficient ? static_cast<unsigned>(NC_MEMORY_EFFICIENT) : 0u,
-			weight_offset, t, capture_falls_back);
+			weight_offset, t, kernel);
 	return b;
 }
 
@@ -547,7 +543,7 @@ class VariantFunction : public torch::autograd::Function<VariantFunction> {
 				ctx->saved_data["eps"].toDouble(), job[JOB_RMS] != 0,
 				ctx->saved_data["weight_offset"].toDouble(), job[JOB_MEMORY_EFFICIENT] != 0,
 				static_cast<int>(job[JOB_WEIGHT_DTYPE]), want_dgamma, want_dbeta,
-				job[JOB_HANDLE], false, false);
+				job[JOB_HANDLE], false);
 		} catch (const Fallback &why) {
 			throw_error("normd error %d (INVALID_ARGUMENT): %s",
 				    static_cast<int>(NC_EINVALID_ARGUMENT), why.why);
@@ -782,7 +778,7 @@ void variant_backward_kernel(const c10::OperatorHandle &op, c10::DispatchKeySet,
 					 args[8].toDouble(), rms, args[10].toDouble(),
 					 memory_efficient, p.weight_dtype,
 					 args[12].toBool() && w.defined(),
-					 args[13].toBool() && bi.defined(), handle, true, true);
+					 args[13].toBool() && bi.defined(), handle, true);
 	} catch (const Fallback &) {
 		return python_kernel(op, stack);
 	}

@@ -63,8 +63,8 @@ from ..errors import NormdError
 from ..job_ext import feature_names
 from .fused_layer_norm import (_CAPTURE_MESSAGE, _DTYPES, FusedLayerNorm, FusedRMSNorm,
                                _any_autocast, _autocast_cast, _autocast_enabled, _capturing,
-                               _check_param, _daemon_input, _normalized_shape, _raw_stream,
-                               _rows_cols, _run_staged)
+                               _check_param, _daemon_input, _is_compiling, _normalized_shape,
+                               _raw_stream, _rows_cols, _run_staged)
 
 # The module, not the package's function of the same name (fused_layer_norm._eager_op).
 _fln = importlib.import_module(__package__ + ".fused_layer_norm")
@@ -454,7 +454,8 @@ def variant_norm(rms, input, residual, weight, bias, normalized_shape, eps, weig
                  memory_efficient, client):
     """One call of a variant module or function: (y, s), s None without residual."""
     # With autocast off, the block below would change nothing: eager calls skip it.
-    if input.is_cuda and (_dynamo_compiling() or (_any_autocast() and _autocast_enabled())):
+    compiling = _is_compiling is not None and _is_compiling()
+    if input.is_cuda and (compiling or (_any_autocast() and _autocast_enabled())):
         input, residual, weight, bias = _autocast_cast(input, residual, weight, bias)
         with torch.autocast("cuda", enabled=False):
             return _variant_norm(rms, input, residual, weight, bias, normalized_shape, eps,
