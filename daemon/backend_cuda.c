@@ -23,8 +23,9 @@
  * (enqueue_threads per device; a stream always goes to the same one, so its
  * jobs keep their order) watch each waiting job's ready word, which the
  * caller's GPU writes into host memory, and launch the job once it is set,
- * followed by the writes of the done word and of a pinned retired word the
- * loop polls. No stream of the daemon ever waits on a client: a GPU-side
+ * followed by the writes of the done word (in the client's device memory,
+ * or in its memfd, which the daemon then registers with CUDA) and of a
+ * pinned retired word the loop polls. No stream of the daemon ever waits on a client: a GPU-side
  * wait would block the hardware queue it shares with other streams (32 at
  * most), and with it other clients, and every device-wide synchronization
  * (cudaIpcCloseMemHandle is one). Launchers never wait for the GPU.
@@ -197,6 +198,49 @@ static void cuda_region_release(struct region *region)
 			 cudaGetErrorString(err));
 	nc__free(m);
 	region_mapping_release(); /* reserved when the registration opened it (dispatch.c) */
+}
+
+/* The largest memfd region whose done words the daemon pins for a client's GPU to wait on. */
+#define HOST_DONE_REGION_MAX (64 * 1024)
+
+static void cuda_host_words_release(struct region *region)
+{
+	cudaError_t err = cudaHostUnregister(region->base);
+	if (err != cudaSuccess)
+		log_warn("event=host_unregister_failed error=\"%s\"", cudaGetErrorString(err));
+	region_unmap_memfd(region);
+}
+
+/*
+ * Registers a memfd region holding done words with CUDA (once per region), so
+ * that the daemon's streams write them at the address the daemon maps them.
+ */
+static int cuda_host_words_register(struct region *region, char *why, size_t why_len)
+{
+	if (region->release == cuda_host_words_release)
+		return 0;
+	if (region->kind != NORMD__REGION_KIND__HOST_MEMFD || region->release ||
+	    region->mapped_size > HOST_DONE_REGION_MAX) {
+		snprintf(why, why_len, "enqueue: a done word in host memory must be in a HOST_MEMFD "
+			 "region of at most %d bytes", HOST_DONE_REGION_MAX);
+		return NC_EINVALID_ARGUMENT;
+	}
+	void *gpu_view = NULL;
+	cudaError_t err = cudaHostRegister(region->base, region->mapped_size,
+					   cudaHostRegisterMapped | cudaHostRegisterPortable);
+	if (err == cudaSuccess && (cudaHostGetDevicePointer(&gpu_view, region->base, 0) !=
+					   cudaSuccess || gpu_view != region->base)) {
+		cudaHostUnregister(region->base);
+		err = cudaErrorNotSupported; /* the streams write the words at the host address */
+	}
+	if (err != cudaSuccess) {
+		cudaGetLastError();
+		snprintf(why, why_len, "enqueue: cannot register the done words' memory with CUDA: %s",
+			 cudaGetErrorString(err));
+		return NC_ERESOURCE_EXHAUSTED;
+	}
+	region->release = cuda_host_words_release;
+	return 0;
 }
 
 /* How long a registration waits for the deferred release of a stale mapping at its address. */
@@ -994,14 +1038,22 @@ static int cuda_stream_open(struct backend *backend, struct estream *es, char *w
 {
 	struct cuda_device *dev = cuda_find_device((struct backend_cuda *)backend, es->device);
 	if (!dev) {
-		snprintf(why, why_len, "enqueue: the done word must be in device memory of a "
-			 "served device (its region is on device %d)", es->device);
+		snprintf(why, why_len, es->done_region->device >= 0 ?
+			 "enqueue: the done word's region is on device %d, which this daemon does not "
+			 "serve" : "enqueue: a done word in host memory needs the slot's device "
+			 "(Enqueue.device), a served one (%d is not)", es->device);
 		return NC_EINVALID_ARGUMENT;
 	}
 	if (es->sem->device >= 0) {
 		snprintf(why, why_len, "enqueue: the ready word must be in host memory (a HOST_MEMFD "
 			 "region), where the daemon watches it");
 		return NC_EINVALID_ARGUMENT;
+	}
+	cudaSetDevice(dev->ordinal);
+	if (es->done_region->device < 0) {
+		int rc = cuda_host_words_register(es->done_region, why, why_len);
+		if (rc)
+			return rc;
 	}
 	unsigned slot = 0;
 	while (slot < RETIRED_WORDS && dev->retired_used[slot])
@@ -1012,7 +1064,6 @@ static int cuda_stream_open(struct backend *backend, struct estream *es, char *w
 			 dev->ordinal);
 		return NC_ERESOURCE_EXHAUSTED;
 	}
-	cudaSetDevice(dev->ordinal);
 	if (cudaStreamCreateWithFlags(&ce->stream, cudaStreamNonBlocking) != cudaSuccess) {
 		cudaGetLastError();
 		nc__free(ce);

@@ -157,7 +157,13 @@ int estream_for_job(struct client *c, const Normd__Enqueue *msg, struct estream 
 	es->done_region = done;
 	es->ready = (char *)sem->base + msg->sem_offset;
 	es->done = done_word;
-	es->device = done->device;
+	es->device = done->device >= 0 ? done->device : msg->has_device ? msg->device : -1;
+	if (done->device >= 0 && msg->has_device && msg->device != done->device) {
+		snprintf(why, why_len, "enqueue: device %d named, but the done word is on device %d",
+			 msg->device, done->device);
+		nc__free(es);
+		return NC_EINVALID_ARGUMENT;
+	}
 	es->last_seq = msg->seq - 1;
 	int rc = backend->stream_open ? backend->stream_open(backend, es, why, why_len) : 0;
 	if (rc) {

@@ -243,16 +243,22 @@ void region_ref(struct region *region)
 	region->refs++;
 }
 
+void region_unmap_memfd(struct region *region)
+{
+	if (region->base) {
+		munmap(region->base, region->mapped_size);
+		region_mapping_release();
+	}
+}
+
 void region_unref(struct region *region)
 {
 	if (!region || --region->refs > 0)
 		return;
 	if (region->release)
 		region->release(region);
-	else if (region->kind == NORMD__REGION_KIND__HOST_MEMFD && region->base) {
-		munmap(region->base, region->mapped_size);
-		region_mapping_release();
-	}
+	else if (region->kind == NORMD__REGION_KIND__HOST_MEMFD)
+		region_unmap_memfd(region);
 	atomic_fetch_sub(&live_regions, 1);
 	atomic_fetch_sub(&live_bytes, region->mapped_size);
 	nc__free(region);

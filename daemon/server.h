@@ -59,7 +59,8 @@ struct region {
 				   one handle) or a VMM region's imported chunks */
 	uint64_t file_dev, file_ino; /* HOST_MEMFD: the memfd's identity, so that the alias
 				    check sees two registrations of one memfd as one memory */
-	void (*release)(struct region *region); /* backend unmapping; NULL for memfd */
+	void (*release)(struct region *region); /* backend unmapping; NULL for a memfd that
+						   no backend registered */
 };
 
 /* Open-addressing table of one connection's regions, keyed by id. */
@@ -74,6 +75,8 @@ void region_table_init(struct region_table *table);
 /* Drops the table's reference on every region; regions in use by jobs live on. */
 void region_table_clear(struct region_table *table);
 struct region *region_lookup(const struct region_table *table, uint64_t id);
+/* Unmaps a host memfd region (what region_unref does for one without a release hook). */
+void region_unmap_memfd(struct region *region);
 /* Maps a host memfd region; takes ownership of `fd` in every case. */
 int region_map_memfd(int fd, uint64_t id, uint64_t size, struct region **out, char *why,
 		     size_t why_len);
@@ -309,7 +312,8 @@ struct estream {
 	struct region *sem;          /* the ready word's region: one reference while it lives */
 	struct region *done_region;  /* the done word's (often the same): one reference */
 	void *ready, *done;          /* the slot's words where the daemon reaches them */
-	int device;                  /* the done word's device (-1: host memory) */
+	int device;                  /* whose streams it orders: the done word's or the one
+					named with a done word in host memory (-1: CPU backend) */
 	uint32_t last_seq;           /* newest seq accepted */
 	bool abandoned;              /* the client left: run or fail what is queued, then close */
 	struct job *head, *tail;     /* accepted, not finished, in seq order */

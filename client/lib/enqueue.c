@@ -2,12 +2,12 @@
  * The enqueue mode (docs/ENQUEUE.md): a job ordered with a caller's stream
  * through a semaphore slot, with no thread waiting for a GPU.
  *
- * Per device the connection owns NC__SLOTS slots of 128 bytes, registered
- * with the daemon as ordinary regions: ready words in a memfd (on the CUDA
- * backend also registered with CUDA, so the caller's GPU writes them into
- * host memory, where the daemon watches them from its CPU) and done words
- * in a cudaMalloc'ed block (CPU backend: the memfd, at +64). A caller stream
- * takes a slot on first use. For each job the stream writes ready = seq and
+ * Per device the connection owns NC__SLOTS slots of 128 bytes in a memfd,
+ * registered with the daemon as an ordinary region: the ready word at +0 and
+ * the done word at +64 of each slot. On the CUDA backend the memfd is also
+ * registered with CUDA, so the caller's GPU writes ready into host memory,
+ * where the daemon watches it from its CPU, and waits on done there. A
+ * caller stream takes a slot on first use. For each job the stream writes ready = seq and
  * waits for done >= seq (one batched call), then the request goes out; the
  * daemon launches the job once it sees ready and writes done after it. The
  * words live in the client's memory, which the daemon keeps mapped while it
@@ -15,8 +15,11 @@
  * release itself.
  *
  * A watcher thread per connection sleeps in poll() for the socket's hang-up;
- * if the daemon dies it writes every slot's done word up to the last seq
- * issued, from a stream of its own, so no caller stream waits forever.
+ * if the daemon dies it stores every slot's done word up to the last seq
+ * issued, from the CPU, so no caller stream waits forever. A release queued
+ * on a stream could wait forever itself: the caller's waiting streams share
+ * hardware queues with every other stream of the process (a few of them per
+ * client under MPS), and a stream blocked on its wait blocks its queue.
  */
 #include <cuda_runtime_api.h>
 #include <errno.h>
@@ -50,11 +53,7 @@ struct nc__block {
 	int device;              /* -1: host memory (CPU backend) */
 	nc_region *ready_region; /* the memfd of the ready words */
 	uint8_t *ready_host;     /* its mapping here */
-	uint8_t *ready_gpu;      /* CUDA: the same memory as the caller's GPU writes it */
-	nc_region *done_region;  /* CUDA: the block of done words; CPU: ready_region */
-	uint8_t *done_words;     /* done word of slot i at i * NC__SLOT_BYTES + NC__DONE_OFFSET */
-	void *device_memory;     /* ours to cudaFree, or NULL */
-	cudaStream_t release;    /* writes done words when the daemon is gone */
+	uint8_t *ready_gpu;      /* CUDA: the same memory as the caller's GPU reaches it */
 	struct nc__slot slots[NC__SLOTS];
 };
 
@@ -316,21 +315,20 @@ static struct nc__enqueue *enqueue_of(nc_conn *conn)
 	return e;
 }
 
-static int block_create_device(nc_conn *conn, struct nc__block *b, int device)
+/* Registers the block's memfd with CUDA: the caller's GPU writes ready and waits on done there. */
+static int block_create_device(struct nc__block *b, int device)
 {
 	int previous = 0;
-	size_t bytes = NC__SLOTS * NC__SLOT_BYTES;
 	cudaGetDevice(&previous);
 	void *gpu_view = NULL;
-	if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&b->device_memory, bytes) != cudaSuccess ||
-	    cudaMemset(b->device_memory, 0, bytes) != cudaSuccess ||
-	    cudaStreamCreateWithFlags(&b->release, cudaStreamNonBlocking) != cudaSuccess ||
-	    cudaHostRegister(b->ready_host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable) !=
-		    cudaSuccess ||
-	    cudaHostGetDevicePointer(&gpu_view, b->ready_host, 0) != cudaSuccess) {
+	bool registered = cudaSetDevice(device) == cudaSuccess &&
+			  cudaHostRegister(b->ready_host, NC__SLOTS * NC__SLOT_BYTES,
+					   cudaHostRegisterMapped | cudaHostRegisterPortable) ==
+				  cudaSuccess;
+	if (!registered || cudaHostGetDevicePointer(&gpu_view, b->ready_host, 0) != cudaSuccess) {
 		cudaError_t err = cudaGetLastError();
-		cudaFree(b->device_memory);
-		b->device_memory = NULL;
+		if (registered)
+			cudaHostUnregister(b->ready_host);
 		cudaSetDevice(previous);
 		return nc__fail(NC_ERESOURCE_EXHAUSTED,
 				"cannot set up semaphore words on device %d: %s", device,
@@ -338,15 +336,6 @@ static int block_create_device(nc_conn *conn, struct nc__block *b, int device)
 	}
 	cudaSetDevice(previous);
 	b->ready_gpu = gpu_view;
-	int rc = nc_region_register_device(conn, b->device_memory, &b->done_region);
-	if (rc) {
-		cudaHostUnregister(b->ready_host);
-		cudaStreamDestroy(b->release);
-		cudaFree(b->device_memory);
-		b->device_memory = NULL;
-		return rc;
-	}
-	b->done_words = b->device_memory;
 	return 0;
 }
 
@@ -368,10 +357,7 @@ static int block_for(nc_conn *conn, struct nc__enqueue *e, int device, struct nc
 	if (rc)
 		return rc;
 	b->ready_host = nc_region_data(b->ready_region);
-	if (device < 0) {
-		b->done_region = b->ready_region;
-		b->done_words = b->ready_host;
-	} else if ((rc = block_create_device(conn, b, device)) != 0) {
+	if (device >= 0 && (rc = block_create_device(b, device)) != 0) {
 		nc_region_free(b->ready_region);
 		return rc;
 	}
@@ -401,45 +387,31 @@ static size_t slot_offset(const struct nc__block *b, const struct nc__slot *slot
 	return (size_t)(slot - b->slots) * NC__SLOT_BYTES;
 }
 
+/* The slot's done word as the CPU reaches it. */
 static uint8_t *slot_done(struct nc__block *b, const struct nc__slot *slot)
 {
-	return b->done_words + slot_offset(b, slot) + NC__DONE_OFFSET;
+	return b->ready_host + slot_offset(b, slot) + NC__DONE_OFFSET;
 }
 
-/* Writes done = the latest seq issued on every slot: no caller stream waits on us any more. */
+/* Stores done = seq from the CPU: releases whatever waits on it, GPU or CPU. */
+static void store_done(uint8_t *done, uint32_t seq)
+{
+	atomic_store_explicit((_Atomic uint32_t *)done, seq, memory_order_release);
+}
+
+/* Stores done = the latest seq issued on every slot: no caller stream waits on us any more. */
 static void release_all_slots(struct nc__enqueue *e)
 {
-	struct {
-		struct nc__block *block;
-		uint8_t *done;
-		uint32_t seq;
-	} words[NC__BLOCKS * NC__SLOTS];
-	unsigned n = 0;
 	pthread_mutex_lock(&e->seq_lock);
 	e->released = true; /* enqueuers from now on release their own seq */
 	for (unsigned i = 0; i < e->block_count; i++) {
 		struct nc__block *b = &e->blocks[i];
 		for (unsigned k = 0; k < NC__SLOTS; k++) {
-			if (b->slots[k].used && b->slots[k].seq) {
-				words[n].block = b;
-				words[n].done = slot_done(b, &b->slots[k]);
-				words[n++].seq = b->slots[k].seq;
-			}
+			if (b->slots[k].used && b->slots[k].seq)
+				store_done(slot_done(b, &b->slots[k]), b->slots[k].seq);
 		}
 	}
 	pthread_mutex_unlock(&e->seq_lock);
-	for (unsigned i = 0; i < n; i++) {
-		struct nc__block *b = words[i].block;
-		if (b->device < 0)
-			atomic_store_explicit((_Atomic uint32_t *)words[i].done, words[i].seq,
-					      memory_order_release);
-		else if (nk_cuda_stream_write(b->release, words[i].done, NULL, words[i].seq) != 0)
-			cudaGetLastError();
-	}
-	for (unsigned i = 0; i < e->block_count; i++) {
-		if (e->blocks[i].device >= 0)
-			cudaStreamSynchronize(e->blocks[i].release);
-	}
 }
 
 /* ---- the watcher: releases the streams when the daemon goes away --------------------- */
@@ -501,8 +473,6 @@ void nc__enqueue_release(nc_conn *conn)
 		if (b->device < 0)
 			continue; /* host regions: released with the others */
 		cudaHostUnregister(b->ready_host);
-		cudaStreamDestroy(b->release);
-		cudaFree(b->device_memory);
 	}
 	for (int i = 0; i < 2; i++) {
 		if (e->stop_pipe[i] >= 0)
@@ -595,12 +565,13 @@ static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block
 {
 	uint32_t seq = slot->seq + 1;
 	size_t offset = slot_offset(b, slot);
-	uint8_t *done = slot_done(b, slot);
+	uint8_t *ready_gpu = b->device < 0 ? NULL : b->ready_gpu + offset;
+	uint8_t *done_gpu = ready_gpu ? ready_gpu + NC__DONE_OFFSET : NULL;
 	if (b->device < 0) {
 		atomic_store_explicit((_Atomic uint32_t *)(b->ready_host + offset), seq,
 				      memory_order_release);
-	} else if (nk_cuda_stream_signal_wait(stream, b->ready_gpu + offset, seq, done, seq) != 0 &&
-		   signal_wait_with_context(b, stream, b->ready_gpu + offset, done, seq) != 0) {
+	} else if (nk_cuda_stream_signal_wait(stream, ready_gpu, seq, done_gpu, seq) != 0 &&
+		   signal_wait_with_context(b, stream, ready_gpu, done_gpu, seq) != 0) {
 		cudaGetLastError();
 		return nc__fail(NC_EINVALID_ARGUMENT,
 				"cannot queue the semaphore operations on the caller's stream");
@@ -618,8 +589,10 @@ static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block
 	enq.sem_offset = offset;
 	enq.seq = seq;
 	enq.has_done_region = enq.has_done_offset = true;
-	enq.done_region = nc_region_id(b->done_region);
+	enq.done_region = enq.sem_region;
 	enq.done_offset = offset + NC__DONE_OFFSET;
+	enq.has_device = b->device >= 0;
+	enq.device = b->device;
 	msg.enqueue = &enq;
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.body_case = NORMD__ENVELOPE__BODY_JOB;
@@ -639,10 +612,7 @@ static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block
 	pthread_mutex_lock(&conn->lock);
 	nc__idset_remove(&conn->enqueued, id);
 	pthread_mutex_unlock(&conn->lock);
-	if (b->device < 0)
-		atomic_store_explicit((_Atomic uint32_t *)done, seq, memory_order_release);
-	else if (nk_cuda_stream_write(b->release, done, NULL, seq) != 0)
-		cudaGetLastError();
+	store_done(slot_done(b, slot), seq);
 	return rc == NC_EIO ? nc__fail(NC_EDISCONNECTED, "%s", nc_last_error()) : rc;
 }
 

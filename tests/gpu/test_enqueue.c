@@ -13,7 +13,8 @@
  *   5. a silent client (its stream never writes the ready word) stalls no
  *      one else, and its jobs end once it is killed;
  *   6. the daemon SIGKILLed mid-chain: the caller's stream is released within
- *      a second and the connection reports NC_EDISCONNECTED;
+ *      a second and the connection reports NC_EDISCONNECTED; and again with
+ *      48 streams of one client waiting (more than its hardware queues);
  *   7. a client SIGKILLed with work enqueued: the daemon's device memory
  *      comes back and the other clients keep working;
  *   8. nc_job_enqueue_device: jobs named by device pointers, and pool
@@ -778,6 +779,121 @@ static int daemon_killed_test(void *arg)
 	return 0;
 }
 
+/*
+ * 6b. The daemon killed while many streams of one client wait: more streams
+ * than the process has hardware queues (a few under MPS), so waiting streams
+ * share queues with each other and with anything the library could queue to
+ * release them. Every stream waits on a gate in host memory that the client
+ * opens only once it has seen the connection drop; each then reaches its
+ * jobs' done waits, which must already be released.
+ */
+#define MANY_STREAMS 48
+
+struct many_streams_outcome {
+	int streams_synced;  /* streams whose cudaStreamSynchronize returned */
+	int cuda_rc;         /* the first failure, or cudaSuccess */
+	int check_rc;        /* nc_conn_check after the kill */
+	int64_t synced_ns;   /* when the last stream returned */
+};
+
+static int many_streams_client(const char *socket_path, int go_fd, int out_fd)
+{
+	nc_conn *conn = gpu_test_connect(socket_path, "enqueue-many-streams");
+	volatile uint32_t *gate = NULL;
+	void *gate_gpu = NULL;
+	cudaStream_t streams[MANY_STREAMS];
+	struct jobkit kit;
+	struct jobkit_spec spec = {.op = NC_RMSNORM_FWD, .rows = 64, .cols = 1024, .dtype = NC_BF16,
+				   .gamma = true, .seed = 81, .on_device = true};
+	if (!conn || cudaHostAlloc((void **)&gate, 4, cudaHostAllocMapped) != cudaSuccess ||
+	    cudaHostGetDevicePointer(&gate_gpu, (void *)gate, 0) != cudaSuccess ||
+	    jobkit_create(conn, &spec, &kit) != 0)
+		return 2;
+	*gate = 0;
+	for (int i = 0; i < MANY_STREAMS; i++) {
+		if (cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking) != cudaSuccess)
+			return 3;
+	}
+	/* One job ungated first: setting up the semaphore words may wait for the device. */
+	if (nc_job_enqueue(conn, &kit.job, streams[0]) != NC_OK ||
+	    nc_stream_wait(conn, streams[0], 10000) != NC_OK)
+		return 4;
+	for (int i = 0; i < MANY_STREAMS; i++) {
+		if (nk_cuda_stream_wait(streams[i], gate_gpu, 1) != 0 ||
+		    nc_job_enqueue(conn, &kit.job, streams[i]) != NC_OK ||
+		    nc_job_enqueue(conn, &kit.job, streams[i]) != NC_OK)
+			return 5;
+	}
+	if (write(go_fd, "g", 1) != 1)
+		return 6;
+	struct many_streams_outcome o = {.cuda_rc = cudaSuccess};
+	int64_t start = now_ns();
+	do { /* the watcher has released the slots once the connection reports the drop */
+		usleep(1000);
+		o.check_rc = nc_conn_check(conn, 0);
+	} while (o.check_rc != NC_EDISCONNECTED && ms_since(start) < 20000);
+	*gate = 1;
+	for (int i = 0; i < MANY_STREAMS; i++) {
+		cudaError_t rc = cudaStreamSynchronize(streams[i]);
+		if (rc == cudaSuccess)
+			o.streams_synced++;
+		else if (o.cuda_rc == cudaSuccess)
+			o.cuda_rc = rc;
+	}
+	o.synced_ns = now_ns();
+	return write(out_fd, &o, sizeof(o)) == (ssize_t)sizeof(o) ? 0 : 7;
+}
+
+static int many_streams_killed_test(void *arg)
+{
+	(void)arg;
+	struct test_daemon d;
+	CHECK(test_daemon_start_on(&d, "0", NULL) == 0, "cannot start a second normd");
+	int go[2], out[2];
+	CHECK(pipe(go) == 0 && pipe(out) == 0, "pipes");
+	pid_t child = fork_helper();
+	CHECK(child >= 0, "fork");
+	if (child == 0) {
+		close(go[0]);
+		close(out[0]);
+		child_exit(many_streams_client(d.socket, go[1], out[1]));
+	}
+	close(go[1]);
+	close(out[1]);
+	char byte;
+	int started = test_read_within(go[0], &byte, 1, 60000);
+	if (started != 0) { /* the client's exit status says which step failed */
+		kill(child, SIGKILL);
+		int status = 0;
+		waitpid(child, &status, 0);
+		test_daemon_stop(&d);
+		CHECK(0, "the client did not enqueue its jobs (exit %d)",
+		      WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
+	}
+	usleep(100 * 1000); /* the daemon reads the requests */
+	int64_t killed_ns = now_ns();
+	kill(d.pid, SIGKILL);
+	waitpid(d.pid, &d.wait_status, 0);
+	d.exited = true;
+	struct many_streams_outcome o = {0};
+	int got = test_read_within(out[0], &o, sizeof(o), 30000);
+	kill(child, SIGKILL);
+	waitpid(child, NULL, 0);
+	close(go[0]);
+	close(out[0]);
+	test_daemon_stop(&d);
+	CHECK(got == 0, "the client's streams were not released within 30 s of the kill");
+	double after_ms = (double)(o.synced_ns - killed_ns) / 1e6;
+	printf("  daemon SIGKILLed with %d streams of one client waiting; %d of them synchronized "
+	       "%.1f ms after the kill (%s); nc_conn_check: %s\n", MANY_STREAMS,
+	       o.streams_synced, after_ms, cudaGetErrorString((cudaError_t)o.cuda_rc),
+	       nc_status_name(o.check_rc));
+	CHECK(o.check_rc == NC_EDISCONNECTED, "nc_conn_check gave %s", nc_status_name(o.check_rc));
+	CHECK(o.streams_synced == MANY_STREAMS && o.cuda_rc == cudaSuccess, "streams failed");
+	CHECK(after_ms < 5000, "the streams were released %.0f ms after the kill", after_ms);
+	return 0;
+}
+
 /* ---- 7. a client killed with work enqueued ----------------------------------------------------
  */
 
@@ -949,6 +1065,8 @@ int main(void)
 	report("refused job: stream released, error later", async_error_test());
 	report("a silent client stalls no one else", in_child_timed(silent_client_test, NULL, 180));
 	report("daemon SIGKILL releases the stream", in_child_timed(daemon_killed_test, NULL, 180));
+	report("daemon SIGKILL releases 48 waiting streams",
+	       in_child_timed(many_streams_killed_test, NULL, 120));
 	report("client SIGKILL: memory back, others work",
 	       in_child_timed(killed_client_test, NULL, 300));
 	report("jobs named by device pointers (nc_job_enqueue_device)",

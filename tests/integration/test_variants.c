@@ -499,7 +499,7 @@ static void test_variant_refusals(void **state)
 
 /*
  * A client of protocol 1, 2 or 3 speaking raw frames: its Hello is
- * answered (with the server's protocol 3 and features), and a job of its
+ * answered (with the server's protocol and features), and a job of its
  * time runs and is right.
  */
 static void old_client(uint32_t version)
@@ -518,7 +518,8 @@ static void old_client(uint32_t version)
 	assert_non_null(reply);
 	assert_int_equal(reply->body_case, NORMD__ENVELOPE__BODY_HELLO_REPLY);
 	assert_int_equal(reply->hello_reply->status, NORMD__STATUS__OK);
-	assert_int_equal(reply->hello_reply->protocol_version, 3);
+	assert_int_equal(reply->hello_reply->protocol_version,
+			 NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION);
 	assert_int_equal(reply->hello_reply->norm_features, 7);
 	nc__envelope_free(reply);
 
@@ -578,16 +579,16 @@ static void old_client(uint32_t version)
 	close(fd);
 }
 
-static void test_protocols_1_2_3_answered(void **state)
+static void test_older_protocols_answered(void **state)
 {
 	(void)state;
-	for (uint32_t v = 1; v <= 3; v++)
+	for (uint32_t v = 1; v < NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION; v++)
 		old_client(v);
 	/* One past the server's is refused. */
 	int fd = raw_connect(group_daemon.socket);
 	assert_true(fd >= 0);
 	Normd__Hello hello = NORMD__HELLO__INIT;
-	hello.protocol_version = 4;
+	hello.protocol_version = NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION + 1;
 	Normd__Envelope env = NORMD__ENVELOPE__INIT;
 	env.body_case = NORMD__ENVELOPE__BODY_HELLO;
 	env.hello = &hello;
@@ -612,7 +613,7 @@ int main(void)
 	    cmocka_unit_test(test_alias_across_registrations),
 	    cmocka_unit_test(test_enqueue_checks_aliases),
 	    cmocka_unit_test(test_variant_refusals),
-	    cmocka_unit_test(test_protocols_1_2_3_answered),
+	    cmocka_unit_test(test_older_protocols_answered),
 	};
 	static const char *const extra[] = {"--cpu-workers", "2", "--cpu-threads", "2", NULL};
 	return test_run_group(tests, extra);
