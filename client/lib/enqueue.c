@@ -472,7 +472,17 @@ void nc__enqueue_release(nc_conn *conn)
 		struct nc__block *b = &e->blocks[i];
 		if (b->device < 0)
 			continue; /* host regions: released with the others */
+		/*
+		 * The caller's streams may not have reached their last ready
+		 * writes and done waits yet (all released now): the page must
+		 * stay mapped for the GPU until they have.
+		 */
+		int previous = 0;
+		cudaGetDevice(&previous);
+		if (cudaSetDevice(b->device) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
+			cudaGetLastError();
 		cudaHostUnregister(b->ready_host);
+		cudaSetDevice(previous);
 	}
 	for (int i = 0; i < 2; i++) {
 		if (e->stop_pipe[i] >= 0)

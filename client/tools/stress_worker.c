@@ -445,6 +445,14 @@ static void worker_read_checks(struct worker *w, bool now)
 		return;
 	uint64_t found = seen.mismatched - w->mismatches_read;
 	w->mismatches_read = seen.mismatched;
+	/* A lost daemon's jobs never ran; the library released their streams, so their checks ran. */
+	int alive = nc_ping(w->conn, w->opt->timeout_ms);
+	if (alive == NC_EDISCONNECTED || alive == NC_EIO) {
+		worker_say(w, "%llu more GPU checks failed after the daemon was lost: outputs of jobs "
+			   "it may never have run (not counted as mismatches)",
+			   (unsigned long long)found);
+		return;
+	}
 	slot_add(w->slot, C_MISMATCHES, found);
 	worker_say(w, "MISMATCH: %llu more of the jobs checked on the GPU (%llu so far) were wrong",
 		   (unsigned long long)found, (unsigned long long)seen.checks);
