@@ -200,8 +200,12 @@ static void cuda_region_release(struct region *region)
 	region_mapping_release(); /* reserved when the registration opened it (dispatch.c) */
 }
 
-/* The largest memfd region whose done words the daemon pins for a client's GPU to wait on. */
-#define HOST_DONE_REGION_MAX (64 * 1024)
+/*
+ * The largest memfd region whose done words the daemon pins (and maps into
+ * every device) for a client's GPU to wait on: the library's block of 64
+ * slots. A connection pins at most one a slot (64 slots, estream.c): 512 KiB.
+ */
+#define HOST_DONE_REGION_MAX (64 * ESTREAM_SLOT_BYTES)
 
 static void cuda_host_words_release(struct region *region)
 {
@@ -237,7 +241,7 @@ static int cuda_host_words_register(struct region *region, char *why, size_t why
 		cudaGetLastError();
 		snprintf(why, why_len, "enqueue: cannot register the done words' memory with CUDA: %s",
 			 cudaGetErrorString(err));
-		return NC_ERESOURCE_EXHAUSTED;
+		return err == cudaErrorNotSupported ? NC_EUNSUPPORTED : NC_ERESOURCE_EXHAUSTED;
 	}
 	region->release = cuda_host_words_release;
 	return 0;

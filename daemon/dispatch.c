@@ -23,8 +23,8 @@ static void dispatch_hello(struct client *c, uint64_t request_id, const Normd__H
 	}
 	/*
 	 * Each version only adds to the one before (2: the enqueue mode; 3: the
-	 * norm variants), and an older client never sends what it lacks: all
-	 * are served.
+	 * norm variants; 4: Enqueue.device), and an older client never sends
+	 * what it lacks: all are served.
 	 */
 	if (hello->protocol_version < 1 ||
 	    hello->protocol_version > NORMD__PROTOCOL_VERSION__PROTOCOL_VERSION) {

@@ -110,6 +110,42 @@ static struct region *estream_word(struct client *c, uint64_t region_id, uint64_
 	return r;
 }
 
+/*
+ * A slot's first job that no estream takes: nothing of the slot runs here,
+ * so the caller's wait for `seq` is released now, by the daemon's CPU where
+ * the done word is in host memory, else by closing the connection (the
+ * library releases its streams then).
+ */
+static void estream_refuse_first(struct client *c, const struct region *done, void *done_word,
+				 uint32_t seq)
+{
+	if (done->device < 0)
+		atomic_store_explicit((_Atomic uint32_t *)done_word, seq, memory_order_release);
+	else
+		c->close_after_flush = true;
+}
+
+/* The device whose streams a new slot orders, or -2 with a reason (-1: the CPU backend's). */
+static int estream_device(const struct client *c, const struct region *done,
+			  const Normd__Enqueue *msg, char *why, size_t why_len)
+{
+	if (c->srv->backend->kind != NORMD__BACKEND_KIND__BACKEND_CUDA)
+		return -1; /* one device, and Enqueue.device means nothing to it */
+	if (done->device >= 0 && msg->has_device && msg->device != done->device) {
+		snprintf(why, why_len, "enqueue: device %d named, but the done word is on device %d",
+			 msg->device, done->device);
+		return -2;
+	}
+	if (done->device >= 0)
+		return done->device;
+	if (!msg->has_device || msg->device < 0) {
+		snprintf(why, why_len, "enqueue: a done word in host memory needs the slot's device "
+			 "(Enqueue.device)");
+		return -2;
+	}
+	return msg->device;
+}
+
 int estream_for_job(struct client *c, const Normd__Enqueue *msg, struct estream **out, char *why,
 		    size_t why_len)
 {
@@ -140,15 +176,22 @@ int estream_for_job(struct client *c, const Normd__Enqueue *msg, struct estream 
 		*out = es;
 		return 0;
 	}
-	if (c->estream_count >= ESTREAM_MAX_PER_CLIENT) {
+	int rc = 0;
+	int device = estream_device(c, done, msg, why, why_len);
+	struct estream *es = NULL;
+	if (device == -2) {
+		rc = NC_EINVALID_ARGUMENT;
+	} else if (c->estream_count >= ESTREAM_MAX_PER_CLIENT) {
 		snprintf(why, why_len, "enqueue: more than %d semaphore slots on one connection",
 			 ESTREAM_MAX_PER_CLIENT);
-		return NC_ERESOURCE_EXHAUSTED;
-	}
-	struct estream *es = nc__calloc(1, sizeof(*es));
-	if (!es) {
+		rc = NC_ERESOURCE_EXHAUSTED;
+	} else if (!(es = nc__calloc(1, sizeof(*es)))) {
 		snprintf(why, why_len, "out of memory for an enqueue stream");
-		return NC_ERESOURCE_EXHAUSTED;
+		rc = NC_ERESOURCE_EXHAUSTED;
+	}
+	if (rc) {
+		estream_refuse_first(c, done, done_word, msg->seq);
+		return rc;
 	}
 	es->client = c;
 	es->region_id = msg->sem_region;
@@ -157,17 +200,12 @@ int estream_for_job(struct client *c, const Normd__Enqueue *msg, struct estream 
 	es->done_region = done;
 	es->ready = (char *)sem->base + msg->sem_offset;
 	es->done = done_word;
-	es->device = done->device >= 0 ? done->device : msg->has_device ? msg->device : -1;
-	if (done->device >= 0 && msg->has_device && msg->device != done->device) {
-		snprintf(why, why_len, "enqueue: device %d named, but the done word is on device %d",
-			 msg->device, done->device);
-		nc__free(es);
-		return NC_EINVALID_ARGUMENT;
-	}
+	es->device = device;
 	es->last_seq = msg->seq - 1;
-	int rc = backend->stream_open ? backend->stream_open(backend, es, why, why_len) : 0;
+	rc = backend->stream_open ? backend->stream_open(backend, es, why, why_len) : 0;
 	if (rc) {
 		nc__free(es);
+		estream_refuse_first(c, done, done_word, msg->seq);
 		return rc;
 	}
 	region_ref(sem);

@@ -163,6 +163,32 @@ static int send_all(int fd, const uint8_t *bytes, size_t len, const int *pass_fd
 }
 
 /* Sends one envelope with `count` fds (at most NC_VMM_MAX_CHUNKS) attached to its first byte. */
+int nc__pack(nc_conn *conn, const Normd__Envelope *env, uint8_t **frame, size_t *len)
+{
+	int rc = nc__frame_pack(env, conn->info.max_frame, frame, len);
+	if (rc == NC_EINVALID_ARGUMENT)
+		return nc__fail(rc, "request larger than the daemon's max_frame (%u bytes)",
+				conn->info.max_frame);
+	if (rc)
+		return nc__fail(rc, "out of memory packing a request");
+	return 0;
+}
+
+static int send_packed_fds(nc_conn *conn, const uint8_t *frame, size_t len, const int *fds,
+			   unsigned count)
+{
+	pthread_mutex_lock(&conn->send_lock);
+	int rc = conn->broken ? nc__fail(conn->broken, "%s", conn->broken_message)
+			      : send_all(conn->fd, frame, len, fds, count);
+	pthread_mutex_unlock(&conn->send_lock);
+	return rc;
+}
+
+int nc__send_packed(nc_conn *conn, const uint8_t *frame, size_t len)
+{
+	return send_packed_fds(conn, frame, len, NULL, 0);
+}
+
 static int send_fds(nc_conn *conn, const Normd__Envelope *env, const int *fds, unsigned count)
 {
 	if (count > NC_VMM_MAX_CHUNKS)
@@ -170,16 +196,10 @@ static int send_fds(nc_conn *conn, const Normd__Envelope *env, const int *fds, u
 				NC_VMM_MAX_CHUNKS);
 	uint8_t *frame;
 	size_t len;
-	int rc = nc__frame_pack(env, conn->info.max_frame, &frame, &len);
-	if (rc == NC_EINVALID_ARGUMENT)
-		return nc__fail(rc, "request larger than the daemon's max_frame (%u bytes)",
-				conn->info.max_frame);
+	int rc = nc__pack(conn, env, &frame, &len);
 	if (rc)
-		return nc__fail(rc, "out of memory packing a request");
-	pthread_mutex_lock(&conn->send_lock);
-	rc = conn->broken ? nc__fail(conn->broken, "%s", conn->broken_message)
-			  : send_all(conn->fd, frame, len, fds, count);
-	pthread_mutex_unlock(&conn->send_lock);
+		return rc;
+	rc = send_packed_fds(conn, frame, len, fds, count);
 	nc__free(frame);
 	return rc;
 }

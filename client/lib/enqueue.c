@@ -568,29 +568,27 @@ int nc__refuse_capture(void *stream)
 			"captured: every replay would run the graph's kernels and skip the job");
 }
 
-/* Queues the stream side of one job and sends it; the enqueue lock is held. */
+/* Forgets an enqueued request id that never went out. */
+static void forget_request(nc_conn *conn, uint64_t id)
+{
+	pthread_mutex_lock(&conn->lock);
+	nc__idset_remove(&conn->enqueued, id);
+	pthread_mutex_unlock(&conn->lock);
+}
+
+/*
+ * Queues the stream side of one job and sends it; the enqueue lock is held.
+ * Whatever can fail while the daemon is alive (the request's id, its frame)
+ * is done before the stream waits for seq: a done word stored by us while
+ * the daemon still runs the slot's earlier jobs would let the stream read
+ * their outputs early, and the daemon's later write would move it back.
+ */
 static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block *b,
 			  struct nc__slot *slot, const struct nc_job *job,
 			  const struct nc_job_ext *ext, void *stream)
 {
 	uint32_t seq = slot->seq + 1;
 	size_t offset = slot_offset(b, slot);
-	uint8_t *ready_gpu = b->device < 0 ? NULL : b->ready_gpu + offset;
-	uint8_t *done_gpu = ready_gpu ? ready_gpu + NC__DONE_OFFSET : NULL;
-	if (b->device < 0) {
-		atomic_store_explicit((_Atomic uint32_t *)(b->ready_host + offset), seq,
-				      memory_order_release);
-	} else if (nk_cuda_stream_signal_wait(stream, ready_gpu, seq, done_gpu, seq) != 0 &&
-		   signal_wait_with_context(b, stream, ready_gpu, done_gpu, seq) != 0) {
-		cudaGetLastError();
-		return nc__fail(NC_EINVALID_ARGUMENT,
-				"cannot queue the semaphore operations on the caller's stream");
-	}
-	/* The stream waits for seq now: the watcher releases it from here on. */
-	pthread_mutex_lock(&e->seq_lock);
-	slot->seq = seq;
-	bool released = e->released;
-	pthread_mutex_unlock(&e->seq_lock);
 	Normd__Job msg;
 	Normd__Tensor ts[NC__JOB_TENSORS];
 	nc__job_to_msg(job, ext, &msg, ts);
@@ -611,17 +609,41 @@ static int enqueue_locked(nc_conn *conn, struct nc__enqueue *e, struct nc__block
 	uint64_t id = ++conn->next_request_id;
 	int rc = nc__idset_add(&conn->enqueued, id);
 	pthread_mutex_unlock(&conn->lock);
+	if (rc)
+		return rc;
 	env.has_request_id = true;
 	env.request_id = id;
-	if (rc == 0 && released)
-		rc = nc__fail(NC_EDISCONNECTED, "the connection to normd is gone");
-	if (rc == 0)
-		rc = nc__send(conn, &env, -1);
+	uint8_t *frame = NULL;
+	size_t len = 0;
+	if ((rc = nc__pack(conn, &env, &frame, &len)) != 0) {
+		forget_request(conn, id);
+		return rc;
+	}
+	uint8_t *ready_gpu = b->device < 0 ? NULL : b->ready_gpu + offset;
+	uint8_t *done_gpu = ready_gpu ? ready_gpu + NC__DONE_OFFSET : NULL;
+	if (b->device < 0) {
+		atomic_store_explicit((_Atomic uint32_t *)(b->ready_host + offset), seq,
+				      memory_order_release);
+	} else if (nk_cuda_stream_signal_wait(stream, ready_gpu, seq, done_gpu, seq) != 0 &&
+		   signal_wait_with_context(b, stream, ready_gpu, done_gpu, seq) != 0) {
+		cudaGetLastError();
+		nc__free(frame);
+		forget_request(conn, id);
+		return nc__fail(NC_EINVALID_ARGUMENT,
+				"cannot queue the semaphore operations on the caller's stream");
+	}
+	/* The stream waits for seq now: the watcher releases it from here on. */
+	pthread_mutex_lock(&e->seq_lock);
+	slot->seq = seq;
+	bool released = e->released;
+	pthread_mutex_unlock(&e->seq_lock);
+	rc = released ? nc__fail(NC_EDISCONNECTED, "the connection to normd is gone")
+		      : nc__send_packed(conn, frame, len);
+	nc__free(frame);
 	if (rc == 0)
 		return 0;
-	pthread_mutex_lock(&conn->lock);
-	nc__idset_remove(&conn->enqueued, id);
-	pthread_mutex_unlock(&conn->lock);
+	/* Only a lost connection fails here: release the stream as the watcher would. */
+	forget_request(conn, id);
 	store_done(slot_done(b, slot), seq);
 	return rc == NC_EIO ? nc__fail(NC_EDISCONNECTED, "%s", nc_last_error()) : rc;
 }

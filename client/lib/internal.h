@@ -115,6 +115,9 @@ int nc__fail(int status, const char *fmt, ...) __attribute__((format(printf, 2, 
 
 /* Sends one envelope (with an fd to pass, or -1). Any thread. */
 int nc__send(nc_conn *conn, const Normd__Envelope *env, int fd);
+/* nc__send in two steps: packing (max_frame checked; the caller frees *frame), then sending. */
+int nc__pack(nc_conn *conn, const Normd__Envelope *env, uint8_t **frame, size_t *len);
+int nc__send_packed(nc_conn *conn, const uint8_t *frame, size_t len);
 
 /* Sends `env` under a fresh request id that is then awaited. Any thread. */
 int nc__submit(nc_conn *conn, Normd__Envelope *env, int fd, uint64_t *request_id);

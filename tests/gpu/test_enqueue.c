@@ -780,12 +780,13 @@ static int daemon_killed_test(void *arg)
 }
 
 /*
- * 6b. The daemon killed while many streams of one client wait: more streams
- * than the process has hardware queues (a few under MPS), so waiting streams
- * share queues with each other and with anything the library could queue to
- * release them. Every stream waits on a gate in host memory that the client
- * opens only once it has seen the connection drop; each then reaches its
- * jobs' done waits, which must already be released.
+ * 6b. The daemon killed while many streams of one client wait on their done
+ * words: more streams than the process has hardware queues (a few under
+ * MPS), so waiting streams share queues with each other and with anything
+ * the library could queue to release them. The jobs are queued behind a
+ * gate in host memory; the daemon is stopped (SIGSTOP), the gate opened, so
+ * that every stream writes its ready words and blocks on a done wait no one
+ * can satisfy but the library, and then the daemon is SIGKILLed.
  */
 #define MANY_STREAMS 48
 
@@ -796,7 +797,7 @@ struct many_streams_outcome {
 	int64_t synced_ns;   /* when the last stream returned */
 };
 
-static int many_streams_client(const char *socket_path, int go_fd, int out_fd)
+static int many_streams_client(const char *socket_path, int go_fd, int open_fd, int out_fd)
 {
 	nc_conn *conn = gpu_test_connect(socket_path, "enqueue-many-streams");
 	volatile uint32_t *gate = NULL;
@@ -824,15 +825,18 @@ static int many_streams_client(const char *socket_path, int go_fd, int out_fd)
 		    nc_job_enqueue(conn, &kit.job, streams[i]) != NC_OK)
 			return 5;
 	}
-	if (write(go_fd, "g", 1) != 1)
+	char byte;
+	if (write(go_fd, "g", 1) != 1 || test_read_within(open_fd, &byte, 1, 30000) != 0)
 		return 6;
+	*gate = 1; /* the daemon is stopped: every stream goes on to a done wait and stays */
+	if (write(go_fd, "o", 1) != 1)
+		return 7;
 	struct many_streams_outcome o = {.cuda_rc = cudaSuccess};
 	int64_t start = now_ns();
 	do { /* the watcher has released the slots once the connection reports the drop */
 		usleep(1000);
 		o.check_rc = nc_conn_check(conn, 0);
 	} while (o.check_rc != NC_EDISCONNECTED && ms_since(start) < 20000);
-	*gate = 1;
 	for (int i = 0; i < MANY_STREAMS; i++) {
 		cudaError_t rc = cudaStreamSynchronize(streams[i]);
 		if (rc == cudaSuccess)
@@ -841,7 +845,7 @@ static int many_streams_client(const char *socket_path, int go_fd, int out_fd)
 			o.cuda_rc = rc;
 	}
 	o.synced_ns = now_ns();
-	return write(out_fd, &o, sizeof(o)) == (ssize_t)sizeof(o) ? 0 : 7;
+	return write(out_fd, &o, sizeof(o)) == (ssize_t)sizeof(o) ? 0 : 8;
 }
 
 static int many_streams_killed_test(void *arg)
@@ -849,28 +853,36 @@ static int many_streams_killed_test(void *arg)
 	(void)arg;
 	struct test_daemon d;
 	CHECK(test_daemon_start_on(&d, "0", NULL) == 0, "cannot start a second normd");
-	int go[2], out[2];
-	CHECK(pipe(go) == 0 && pipe(out) == 0, "pipes");
+	int go[2], open_gate[2], out[2];
+	CHECK(pipe(go) == 0 && pipe(open_gate) == 0 && pipe(out) == 0, "pipes");
 	pid_t child = fork_helper();
 	CHECK(child >= 0, "fork");
 	if (child == 0) {
 		close(go[0]);
+		close(open_gate[1]);
 		close(out[0]);
-		child_exit(many_streams_client(d.socket, go[1], out[1]));
+		child_exit(many_streams_client(d.socket, go[1], open_gate[0], out[1]));
 	}
 	close(go[1]);
+	close(open_gate[0]);
 	close(out[1]);
 	char byte;
 	int started = test_read_within(go[0], &byte, 1, 60000);
+	if (started == 0) { /* the daemon stopped, the gate opened, the streams on their waits */
+		kill(d.pid, SIGSTOP);
+		started = write(open_gate[1], "o", 1) == 1 ? test_read_within(go[0], &byte, 1, 30000)
+							   : -1;
+		usleep(50 * 1000);
+	}
 	if (started != 0) { /* the client's exit status says which step failed */
 		kill(child, SIGKILL);
 		int status = 0;
 		waitpid(child, &status, 0);
+		kill(d.pid, SIGCONT);
 		test_daemon_stop(&d);
-		CHECK(0, "the client did not enqueue its jobs (exit %d)",
+		CHECK(0, "the client did not enqueue its jobs or open its gate (exit %d)",
 		      WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
 	}
-	usleep(100 * 1000); /* the daemon reads the requests */
 	int64_t killed_ns = now_ns();
 	kill(d.pid, SIGKILL);
 	waitpid(d.pid, &d.wait_status, 0);
@@ -880,6 +892,7 @@ static int many_streams_killed_test(void *arg)
 	kill(child, SIGKILL);
 	waitpid(child, NULL, 0);
 	close(go[0]);
+	close(open_gate[1]);
 	close(out[0]);
 	test_daemon_stop(&d);
 	CHECK(got == 0, "the client's streams were not released within 30 s of the kill");

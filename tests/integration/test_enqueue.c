@@ -505,6 +505,78 @@ static void test_silent_client_released_when_it_leaves(void **state)
 	assert_others_unharmed();
 }
 
+/* Sends an RMSNorm forward of 1 x 256 f32 (x at 0, y at 4096 of region 2) on `slot` of region 1. */
+static void raw_enqueue(int fd, uint64_t request_id, unsigned slot, int device)
+{
+	Normd__Tensor tx = NORMD__TENSOR__INIT, ty = NORMD__TENSOR__INIT;
+	tx.region_id = ty.region_id = 2;
+	ty.has_offset = true;
+	ty.offset = 4096;
+	Normd__Enqueue enq = NORMD__ENQUEUE__INIT;
+	enq.sem_region = 1;
+	enq.sem_offset = (uint64_t)slot * 128;
+	enq.seq = 1;
+	enq.has_device = device != INT32_MIN;
+	enq.device = device;
+	Normd__Job job = NORMD__JOB__INIT;
+	job.op = NORMD__OP__RMSNORM_FWD;
+	job.rows = 1;
+	job.cols = 256;
+	job.dtype = NORMD__DTYPE__F32;
+	job.x = &tx;
+	job.y = &ty;
+	job.enqueue = &enq;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.has_request_id = true;
+	env.request_id = request_id;
+	env.body_case = NORMD__ENVELOPE__BODY_JOB;
+	env.job = &job;
+	assert_int_equal(raw_send(fd, &env), 0);
+}
+
+/*
+ * A slot's first job that no stream takes (here the 65th slot of one
+ * connection) is refused and its done word written: the caller's wait is
+ * released although nothing of the slot runs. Enqueue.device, which names a
+ * CUDA device, means nothing to the CPU backend and is ignored.
+ */
+static void test_refused_slot_is_released(void **state)
+{
+	(void)state;
+	int fd = raw_connect(group_daemon.socket);
+	assert_true(fd >= 0);
+	assert_int_equal(raw_hello(fd), 0);
+	void *sem, *data;
+	raw_register(fd, 2, 1, 16384, &sem);
+	raw_register(fd, 3, 2, 65536, &data);
+	for (int i = 0; i < 256; i++)
+		((float *)data)[i] = 0.5f + (float)i;
+	for (unsigned k = 0; k < 64; k++)
+		raw_enqueue(fd, 100 + k, k, k == 0 ? 3 : INT32_MIN); /* every ready word 0: all wait */
+	raw_enqueue(fd, 200, 64, INT32_MIN);
+	Normd__Envelope *reply = raw_recv(fd, 5000);
+	assert_non_null(reply);
+	assert_int_equal(reply->request_id, 200);
+	assert_int_equal(reply->body_case, NORMD__ENVELOPE__BODY_RESULT);
+	assert_int_equal(reply->result->status, NORMD__STATUS__RESOURCE_EXHAUSTED);
+	nc__envelope_free(reply);
+	assert_int_equal(atomic_load(slot_word(sem, 64 * 128 + 64)), 1);
+	/* Slot 0 (device 3 named) runs once its ready word is set. */
+	assert_int_equal(atomic_load(slot_word(sem, 64)), 0);
+	atomic_store(slot_word(sem, 0), 1);
+	reply = raw_recv(fd, 5000);
+	assert_non_null(reply);
+	assert_int_equal(reply->request_id, 100);
+	assert_int_equal(reply->body_case, NORMD__ENVELOPE__BODY_JOB_REPLY);
+	assert_int_equal(reply->job_reply->status, NORMD__STATUS__OK);
+	nc__envelope_free(reply);
+	assert_int_equal(atomic_load(slot_word(sem, 64)), 1);
+	close(fd);
+	munmap(sem, 16384);
+	munmap(data, 65536);
+	assert_others_unharmed();
+}
+
 /*
  * The daemon dies while a key waits: the watcher writes the done word within
  * a second and the calls say NC_EDISCONNECTED.
@@ -548,6 +620,7 @@ int main(void)
 		cmocka_unit_test(test_limit_pauses_instead_of_refusing),
 		cmocka_unit_test(test_silent_client_stalls_only_itself),
 		cmocka_unit_test(test_silent_client_released_when_it_leaves),
+		cmocka_unit_test(test_refused_slot_is_released),
 		cmocka_unit_test(test_daemon_death_releases_within_a_second),
 	};
 	return test_run_group(tests, NULL);
