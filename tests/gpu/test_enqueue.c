@@ -729,6 +729,20 @@ static int silent_client_test(void *arg)
 
 /* ---- 6. the daemon killed mid-chain --------------------------------------------------------- */
 
+/* SIGKILLs a test's own daemon, reads its client's outcome (30 s at most), ends the client. */
+static int64_t kill_daemon_then_collect(struct test_daemon *d, pid_t child, int out_fd,
+					void *outcome, size_t size, int *got)
+{
+	int64_t killed_ns = now_ns();
+	kill(d->pid, SIGKILL);
+	waitpid(d->pid, &d->wait_status, 0);
+	d->exited = true;
+	*got = test_read_within(out_fd, outcome, size, 30000);
+	kill(child, SIGKILL);
+	waitpid(child, NULL, 0);
+	return killed_ns;
+}
+
 static int daemon_killed_test(void *arg)
 {
 	(void)arg;
@@ -751,14 +765,9 @@ static int daemon_killed_test(void *arg)
 	char byte;
 	int started = test_read_within(go[0], &byte, 1, 60000);
 	usleep(30 * 1000);
-	int64_t killed_ns = now_ns();
-	kill(d.pid, SIGKILL);
-	waitpid(d.pid, &d.wait_status, 0);
-	d.exited = true;
 	struct enqueue_chain_outcome o = {0};
-	int got = test_read_within(out[0], &o, sizeof(o), 30000);
-	kill(child, SIGKILL);
-	waitpid(child, NULL, 0);
+	int got;
+	int64_t killed_ns = kill_daemon_then_collect(&d, child, out[0], &o, sizeof(o), &got);
 	close(go[0]);
 	close(out[0]);
 	test_daemon_stop(&d);
@@ -883,14 +892,9 @@ static int many_streams_killed_test(void *arg)
 		CHECK(0, "the client did not enqueue its jobs or open its gate (exit %d)",
 		      WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
 	}
-	int64_t killed_ns = now_ns();
-	kill(d.pid, SIGKILL);
-	waitpid(d.pid, &d.wait_status, 0);
-	d.exited = true;
 	struct many_streams_outcome o = {0};
-	int got = test_read_within(out[0], &o, sizeof(o), 30000);
-	kill(child, SIGKILL);
-	waitpid(child, NULL, 0);
+	int got;
+	int64_t killed_ns = kill_daemon_then_collect(&d, child, out[0], &o, sizeof(o), &got);
 	close(go[0]);
 	close(open_gate[1]);
 	close(out[0]);

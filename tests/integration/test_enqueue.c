@@ -390,6 +390,38 @@ static void raw_register(int fd, uint64_t request_id, uint64_t region_id, size_t
 	nc__envelope_free(reply);
 }
 
+/*
+ * Sends an RMSNorm forward of 1 x 256 f32 (x at 0, y at 4096 of region 2)
+ * as seq 1 of `slot` of region 1; `device` INT32_MIN leaves Enqueue.device out.
+ */
+static void raw_enqueue(int fd, uint64_t request_id, unsigned slot, int device)
+{
+	Normd__Tensor tx = NORMD__TENSOR__INIT, ty = NORMD__TENSOR__INIT;
+	tx.region_id = ty.region_id = 2;
+	ty.has_offset = true;
+	ty.offset = 4096;
+	Normd__Enqueue enq = NORMD__ENQUEUE__INIT;
+	enq.sem_region = 1;
+	enq.sem_offset = (uint64_t)slot * 128;
+	enq.seq = 1;
+	enq.has_device = device != INT32_MIN;
+	enq.device = device;
+	Normd__Job job = NORMD__JOB__INIT;
+	job.op = NORMD__OP__RMSNORM_FWD;
+	job.rows = 1;
+	job.cols = 256;
+	job.dtype = NORMD__DTYPE__F32;
+	job.x = &tx;
+	job.y = &ty;
+	job.enqueue = &enq;
+	Normd__Envelope env = NORMD__ENVELOPE__INIT;
+	env.has_request_id = true;
+	env.request_id = request_id;
+	env.body_case = NORMD__ENVELOPE__BODY_JOB;
+	env.job = &job;
+	assert_int_equal(raw_send(fd, &env), 0);
+}
+
 /* Registers a slot and data, then enqueues an RMSNorm forward whose ready word stays 0. */
 static void silent_client_start(struct silent_client *s, const char *socket)
 {
@@ -401,28 +433,7 @@ static void silent_client_start(struct silent_client *s, const char *socket)
 	float *x = s->data;
 	for (int i = 0; i < 256; i++)
 		x[i] = 1.0f + (float)i;
-	Normd__Tensor tx = NORMD__TENSOR__INIT, ty = NORMD__TENSOR__INIT;
-	tx.region_id = ty.region_id = 2;
-	ty.has_offset = true;
-	ty.offset = 4096;
-	Normd__Enqueue enq = NORMD__ENQUEUE__INIT;
-	enq.sem_region = 1;
-	enq.sem_offset = 128;
-	enq.seq = 1;
-	Normd__Job job = NORMD__JOB__INIT;
-	job.op = NORMD__OP__RMSNORM_FWD;
-	job.rows = 1;
-	job.cols = 256;
-	job.dtype = NORMD__DTYPE__F32;
-	job.x = &tx;
-	job.y = &ty;
-	job.enqueue = &enq;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = 4;
-	env.body_case = NORMD__ENVELOPE__BODY_JOB;
-	env.job = &job;
-	assert_int_equal(raw_send(s->fd, &env), 0);
+	raw_enqueue(s->fd, 4, 1, INT32_MIN);
 }
 
 static uint32_t jobs_in_flight(const char *socket)
@@ -503,35 +514,6 @@ static void test_silent_client_released_when_it_leaves(void **state)
 	munmap(s.sem, 4096);
 	munmap(s.data, 65536);
 	assert_others_unharmed();
-}
-
-/* Sends an RMSNorm forward of 1 x 256 f32 (x at 0, y at 4096 of region 2) on `slot` of region 1. */
-static void raw_enqueue(int fd, uint64_t request_id, unsigned slot, int device)
-{
-	Normd__Tensor tx = NORMD__TENSOR__INIT, ty = NORMD__TENSOR__INIT;
-	tx.region_id = ty.region_id = 2;
-	ty.has_offset = true;
-	ty.offset = 4096;
-	Normd__Enqueue enq = NORMD__ENQUEUE__INIT;
-	enq.sem_region = 1;
-	enq.sem_offset = (uint64_t)slot * 128;
-	enq.seq = 1;
-	enq.has_device = device != INT32_MIN;
-	enq.device = device;
-	Normd__Job job = NORMD__JOB__INIT;
-	job.op = NORMD__OP__RMSNORM_FWD;
-	job.rows = 1;
-	job.cols = 256;
-	job.dtype = NORMD__DTYPE__F32;
-	job.x = &tx;
-	job.y = &ty;
-	job.enqueue = &enq;
-	Normd__Envelope env = NORMD__ENVELOPE__INIT;
-	env.has_request_id = true;
-	env.request_id = request_id;
-	env.body_case = NORMD__ENVELOPE__BODY_JOB;
-	env.job = &job;
-	assert_int_equal(raw_send(fd, &env), 0);
 }
 
 /*
