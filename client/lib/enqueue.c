@@ -7,12 +7,12 @@
  * the done word at +64 of each slot. On the CUDA backend the memfd is also
  * registered with CUDA, so the caller's GPU writes ready into host memory,
  * where the daemon watches it from its CPU, and waits on done there. A
- * caller stream takes a slot on first use. For each job the stream writes ready = seq and
- * waits for done >= seq (one batched call), then the request goes out; the
- * daemon launches the job once it sees ready and writes done after it. The
- * words live in the client's memory, which the daemon keeps mapped while it
- * has jobs on them, so each side can always write the word it waits on and
- * release itself.
+ * caller stream takes a slot on first use. For each job the stream writes
+ * ready = seq and waits for done >= seq (one batched call), then the
+ * request goes out; the daemon launches the job once it sees ready and
+ * writes done after it. The words live in the client's memory, which the
+ * daemon keeps mapped while it has jobs on them, so each side can always
+ * write the word it waits on and release itself.
  *
  * A watcher thread per connection sleeps in poll() for the socket's hang-up;
  * if the daemon dies it stores every slot's done word up to the last seq
