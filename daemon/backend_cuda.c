@@ -25,10 +25,11 @@
  * caller's GPU writes into host memory, and launch the job once it is set,
  * followed by the writes of the done word (in the client's device memory,
  * or in its memfd, which the daemon then registers with CUDA) and of a
- * pinned retired word the loop polls. No stream of the daemon ever waits on a client: a GPU-side
- * wait would block the hardware queue it shares with other streams (32 at
- * most), and with it other clients, and every device-wide synchronization
- * (cudaIpcCloseMemHandle is one). Launchers never wait for the GPU.
+ * pinned retired word the loop polls. No stream of the daemon ever waits on
+ * a client: a GPU-side wait would block the hardware queue it shares with
+ * other streams (32 at most), and with it other clients, and every
+ * device-wide synchronization (cudaIpcCloseMemHandle is one). Launchers
+ * never wait for the GPU.
  *
  * A failure while a kernel ran (illegal address, device lost) is sticky: it
  * poisons the context for everyone. The backend then fails every job with
@@ -1042,10 +1043,8 @@ static int cuda_stream_open(struct backend *backend, struct estream *es, char *w
 {
 	struct cuda_device *dev = cuda_find_device((struct backend_cuda *)backend, es->device);
 	if (!dev) {
-		snprintf(why, why_len, es->done_region->device >= 0 ?
-			 "enqueue: the done word's region is on device %d, which this daemon does not "
-			 "serve" : "enqueue: a done word in host memory needs the slot's device "
-			 "(Enqueue.device), a served one (%d is not)", es->device);
+		snprintf(why, why_len, "enqueue: the slot's device %d is not one this daemon serves",
+			 es->device);
 		return NC_EINVALID_ARGUMENT;
 	}
 	if (es->sem->device >= 0) {

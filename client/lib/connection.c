@@ -162,7 +162,6 @@ static int send_all(int fd, const uint8_t *bytes, size_t len, const int *pass_fd
 	return 0;
 }
 
-/* Sends one envelope with `count` fds (at most NC_VMM_MAX_CHUNKS) attached to its first byte. */
 int nc__pack(nc_conn *conn, const Normd__Envelope *env, uint8_t **frame, size_t *len)
 {
 	int rc = nc__frame_pack(env, conn->info.max_frame, frame, len);
@@ -189,6 +188,7 @@ int nc__send_packed(nc_conn *conn, const uint8_t *frame, size_t len)
 	return send_packed_fds(conn, frame, len, NULL, 0);
 }
 
+/* Sends one envelope with `count` fds (at most NC_VMM_MAX_CHUNKS) attached to its first byte. */
 static int send_fds(nc_conn *conn, const Normd__Envelope *env, const int *fds, unsigned count)
 {
 	if (count > NC_VMM_MAX_CHUNKS)
