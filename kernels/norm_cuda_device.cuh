@@ -122,6 +122,34 @@ template <int N, typename S> __device__ __forceinline__ void load_weights(const 
 		unpack<S>(__ldg(reinterpret_cast<const uint4 *>(p) + c), f + c * PER);
 }
 
+/*
+ * The row group of this thread, threadIdx.x / G, by a multiply and a
+ * shift (an integer division is about 20 instructions): exact while
+ * threadIdx.x * G < 2^21, and blocks have at most 1024 threads and G <= 1024.
+ */
+__device__ __forceinline__ int row_group(const Params &p)
+{
+	return (int)((threadIdx.x * (unsigned)p.g_mul) >> 21);
+}
+
+/*
+ * This block's place in a grid of row groups that K blocks share (K a
+ * power of two: tiled shapes): its rank among the K, the first row group
+ * it takes and the grid's stride in row groups.
+ */
+struct GridPlace {
+	int rank;
+	int64_t first;
+	int64_t stride;
+};
+
+__device__ __forceinline__ GridPlace grid_place(int K)
+{
+	const int shift = __ffs(K) - 1;
+	return {(int)(blockIdx.x & (unsigned)(K - 1)), (int64_t)(blockIdx.x >> shift),
+		(int64_t)(gridDim.x >> shift)};
+}
+
 /* saturate(RNE(v)) in e4m3 or e5m2; any NaN is 0x7f, as the CPU reference writes it. */
 __device__ __forceinline__ uint8_t to_fp8(float v, int fmt)
 {

@@ -84,6 +84,7 @@ Params params_of(const struct nk_norm_args *a, const Shape &s)
 {
 	Params p = params_of(a);
 	p.G = s.G;
+	p.g_mul = s.G > 0 ? (1 << 21) / s.G + 1 : 0;
 	p.K = s.K;
 	p.R = s.R;
 	p.iters = (a->rows + s.R - 1) / s.R;

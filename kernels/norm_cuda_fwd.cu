@@ -9,8 +9,10 @@
  * block), else two passes over the registers (mean, then squared
  * deviations), or, on a cluster, merged (count, mean, M2) triples
  * (row_stats); RMSNorm reduces the sum of squares. The grid holds every
- * row group; at most 64 registers a thread keep 32 warps a multiprocessor
- * resident, whose loads are what keeps device memory busy (fwd_tiled).
+ * row group, or (a variant's units_cap) a few waves of them whose blocks
+ * loop over rows; at most 64 registers a thread keep 32 warps a
+ * multiprocessor resident, whose loads are what keeps device memory busy
+ * (fwd_tiled).
  * The weight is offset + gamma (the weight-offset variant; offset 0 for
  * the plain norm). The norm variants of docs/VARIANTS.md run on instances
  * of their own (Var): FP8 output, one instance a format, on the plain
@@ -345,21 +347,25 @@ __device__ __forceinline__ void block_amax(const Params &p, float m)
  * writes them, and the hardware starts the next block in its place. At
  * most 64 registers a thread (two blocks of 512 threads, four of 256, a
  * multiprocessor), so 32 warps a multiprocessor keep their loads in
- * flight: that beat a persistent grid of the same kernel, and a persistent
- * kernel that loaded the next row while reducing this one (BENCHMARKS.md,
- * tiled forward: the kernel).
+ * flight: that beat a persistent grid of the same kernel for plain rows,
+ * and a persistent kernel that loaded the next row while reducing this one
+ * (BENCHMARKS.md, tiled forward: the kernel). Jobs bound by instructions
+ * (FP8 output, wide rows with the residual add) run on a grid of four
+ * waves instead, each block looping over rows, which pays a block's setup
+ * once for several (tiled forward: persistent grids).
  */
 template <typename T, typename W, int NV, bool FULL, bool LN, int VAR, int FMT>
 __device__ __forceinline__ void tiled_rows(const Params &p, RedSmem &sm)
 {
-	const int g = threadIdx.x / p.G, t = threadIdx.x % p.G;
-	const int rank = cluster_rank(p.K);
+	const int g = row_group(p), t = threadIdx.x - g * p.G;
+	const GridPlace place = grid_place(p.K);
+	const int rank = place.rank;
 	const Owned o = {rank * p.G + t, p.K * p.G};
 	const float scale = FMT != NK_FP8_NONE ? *p.scale : 1.0f;
 	float amax = 0.0f;
 	int parity = 0;
 
-	for (int64_t it = blockIdx.x / p.K; it < p.iters; it += gridDim.x / p.K) {
+	for (int64_t it = place.first; it < p.iters; it += place.stride) {
 		const int64_t row = it * p.R + g;
 		const bool valid = row < p.rows;
 		uint4 v[NV];
@@ -414,6 +420,8 @@ int run(const Params &p, const Shape &s, cudaStream_t stream)
 
 	if (units > FWD_MAX_GRID / s.K)
 		units = FWD_MAX_GRID / s.K;
+	if (s.units_cap > 0 && units > s.units_cap) /* a persistent grid: blocks loop over rows */
+		units = s.units_cap;
 	constexpr auto ln = fwd_tiled<T, W, NV, FULL, true, VAR>;
 	constexpr auto rms = fwd_tiled<T, W, NV, FULL, false, VAR>;
 	const int64_t grid = units * s.K;

@@ -58,10 +58,10 @@ enum memeff_match { EITHER, STANDARD, MEMEFF };
 /*
  * The norm variants (enum nk_features: residual add, weight offset, FP8
  * output) a rule's shape runs: a job that uses one outside them skips the
- * rule. PLAIN: none of them. The weight offset never decides: every family
- * adds it to gamma where gamma is read.
+ * rule. PLAIN: none of them; FP8_OUT: FP8 output alone. The weight offset
+ * never decides: every family adds it to gamma where gamma is read.
  */
-enum { PLAIN = 0, VARIANTS = NK_FEATURES_ALL };
+enum { PLAIN = 0, FP8_OUT = NK_FEATURE_FP8_OUTPUT, VARIANTS = NK_FEATURES_ALL };
 
 /* The upper bound of a rule for any width. */
 #define WIDEST INT64_MAX
@@ -82,16 +82,18 @@ struct rule {
 /* The shapes, by builder (norm_cuda_variant.h). */
 /* clang-format off */
 #define MOST NK__MOST_NV
-#define TILED(nv, threads)         {NK__TILED, (nv), (threads), 1, false}
-#define TILED_CLUSTER(nv, threads) {NK__TILED_CLUSTER, (nv), (threads), 0, false}
-#define TILED_SPLIT(nv, threads)   {NK__TILED_SPLIT, (nv), (threads), 0, false}
-#define SMEM(nv)                   {NK__SMEM, (nv), 0, 1, false}
-#define SMEM_MOST_THREADS          {NK__SMEM_MOST_THREADS, 0, 0, 0, false}
-#define RING_STAGED_WEIGHTS(nv)    {NK__RING, (nv), 0, 1, true}
-#define TMA(blocks)                {NK__TMA, 0, 0, (blocks), false}
-#define TMA_FEWEST_BLOCKS          {NK__TMA_FEWEST_BLOCKS, 0, 0, 0, false}
-#define GENERIC                    {NK__GENERIC, 0, 0, 0, false}
-#define FUSED                      {NK__FUSED, 0, 0, 0, false}
+#define TILED(nv, threads)         {NK__TILED, (nv), (threads), 1, false, 0}
+#define TILED_WAVES(nv, threads, w) {NK__TILED, (nv), (threads), 1, false, (w)}
+#define TILED_CLUSTER(nv, threads) {NK__TILED_CLUSTER, (nv), (threads), 0, false, 0}
+#define TILED_CLUSTER_WAVES(nv, threads, w) {NK__TILED_CLUSTER, (nv), (threads), 0, false, (w)}
+#define TILED_SPLIT(nv, threads)   {NK__TILED_SPLIT, (nv), (threads), 0, false, 0}
+#define SMEM(nv)                   {NK__SMEM, (nv), 0, 1, false, 0}
+#define SMEM_MOST_THREADS          {NK__SMEM_MOST_THREADS, 0, 0, 0, false, 0}
+#define RING_STAGED_WEIGHTS(nv)    {NK__RING, (nv), 0, 1, true, 0}
+#define TMA(blocks)                {NK__TMA, 0, 0, (blocks), false, 0}
+#define TMA_FEWEST_BLOCKS          {NK__TMA_FEWEST_BLOCKS, 0, 0, 0, false, 0}
+#define GENERIC                    {NK__GENERIC, 0, 0, 0, false, 0}
+#define FUSED                      {NK__FUSED, 0, 0, 0, false, 0}
 /* clang-format on */
 
 /*
@@ -160,20 +162,27 @@ static const struct rule rules[] = {
     {BWD,     ANY_X, EITHER,   PLAIN,    0,  1,     WIDEST, TILED_SPLIT(MOST, 256),
      "a backward row wider still runs in column slices after a row-sums kernel, which beat "
      "clusters (tiled backward: rows wider than a block)"},
-    {FWD,     ANY_X, EITHER,   PLAIN,    0,  1,     WIDEST, TILED_CLUSTER(MOST, 256),
-     "a forward row wider still is shared by a cluster of blocks (sm_90)"},
+    {FWD,     ANY_X, EITHER,   PLAIN,    0,  1,     WIDEST, TILED_CLUSTER_WAVES(MOST, 256, 4),
+     "a forward row wider still is shared by a cluster of blocks (sm_90), on a grid of four "
+     "waves, which beat a cluster a row group (tiled forward: persistent grids)"},
     {ALL_OPS, ANY_X, EITHER,   PLAIN,    0,  1,     WIDEST, GENERIC,
      "any width and alignment: scalar loads, several passes over the row (generic)"},
     /* Jobs that use a norm variant (docs/VARIANTS.md); plain jobs never come this far. */
+    {FWD,     X16,   EITHER,   FP8_OUT,  0,  1,     8192,  TILED_WAVES(4, 256, 4),
+     "the FP8 forward is bound by instructions: a grid of four waves whose blocks loop over "
+     "rows pays each block's setup once for several (tiled forward: persistent grids)"},
     {FWD,     X16,   EITHER,   VARIANTS, 0,  1,     8192,  TILED(4, 256),
      "the tiled forward runs the variants in the pass it reads the row in, with the plain "
      "16-bit rows' shape (norm variants: forward)"},
+    {FWD,     X16,   EITHER,   VARIANTS, 0,  8193,  WIDEST, TILED_WAVES(MOST, 256, 4),
+     "a wider 16-bit variant row on one block, on a grid of four waves "
+     "(tiled forward: persistent grids)"},
     {FWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED(MOST, 256),
      "a variant row that fits one block's registers is read from memory once "
      "(norm variants: forward)"},
-    {FWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED_CLUSTER(MOST, 256),
-     "a variant row wider still is shared by a cluster of blocks (sm_90; norm variants: "
-     "forward)"},
+    {FWD,     ANY_X, EITHER,   VARIANTS, 0,  1,     WIDEST, TILED_CLUSTER_WAVES(MOST, 256, 4),
+     "a variant row wider still is shared by a cluster of blocks (sm_90), on a grid of four "
+     "waves (tiled forward: persistent grids)"},
     {BWD,     X16,   EITHER,   VARIANTS, 9,  1,     512,   TMA(1),
      "rows on a warp's lanes staged by tma_slice with their ds beat the tiled rows "
      "(norm variants: backward)"},

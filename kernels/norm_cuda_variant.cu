@@ -151,6 +151,21 @@ static int bwd_units_cap(int threads, int elems, int K)
 }
 
 /*
+ * Forward grid cap of a tiled shape: `waves` times the row groups the
+ * reference device holds at once (64 registers a thread, 128 with the
+ * residual add), so each block loops over rows and its setup is paid once
+ * for several.
+ */
+static int fwd_units_cap(int threads, int K, bool residual, int waves)
+{
+	int per_sm = (residual ? 512 : 1024) / threads;
+	int cap = REF_SMS * (per_sm < 1 ? 1 : per_sm) * waves / K;
+	if (cap > MAX_UNITS_CAP)
+		cap = MAX_UNITS_CAP;
+	return cap < 1 ? 1 : cap;
+}
+
+/*
  * Clusters of K blocks the reference device holds at once with one or two
  * blocks a multiprocessor: an H100 SXM (132 SMs), as
  * cudaOccupancyMaxActiveClusters reported it for 256-512 threads and 200
@@ -215,6 +230,20 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 	v->vec_elems = (uint16_t)vec;
 	split = split && K > 1;
 	v->param = shape_param(nv, K, is_bwd(a) ? bwd_units_cap(G * R, nv * vec, K) : 0, split);
+	return true;
+}
+
+/*
+ * Caps a tiled forward variant's grid at `waves` times the row groups the
+ * reference device holds at once (none for 0); true.
+ */
+static bool with_waves(const struct nk_norm_args *a, int waves, struct nk_variant *v)
+{
+	if (waves > 0 && !is_bwd(a)) {
+		const Shape s = shape_of(v);
+		v->param = shape_param(s.NV, s.K,
+				       fwd_units_cap(s.threads, s.K, a->residual != NULL, waves), false);
+	}
 	return true;
 }
 
@@ -754,9 +783,10 @@ bool nk__variant_build(const struct nk_norm_args *args, const struct nk_device_i
 	switch (req->build) {
 	case NK__TILED:
 		return tiled_variant(args, dev, nv, req->threads, MAX_THREADS, false, out) &&
-		       shape_of(out).K == 1;
+		       shape_of(out).K == 1 && with_waves(args, req->waves, out);
 	case NK__TILED_CLUSTER:
-		return tiled_variant(args, dev, nv, req->threads, MAX_THREADS, false, out);
+		return tiled_variant(args, dev, nv, req->threads, MAX_THREADS, false, out) &&
+		       with_waves(args, req->waves, out);
 	case NK__TILED_SPLIT:
 		return tiled_variant(args, dev, nv, req->threads, MAX_THREADS, true, out);
 	case NK__SMEM:
@@ -804,6 +834,15 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 		return 0;
 	nk_cuda_variant_default(args, dev, &v);
 	out[n++] = v;
+	/* A tiled forward default, also on one block a row group and on grids of 1 and 4 waves. */
+	if (!is_bwd(args) && (v.family == NK_FAMILY_WARP_ROWS || v.family == NK_FAMILY_BLOCK_ROW)) {
+		for (int waves = 0; waves <= 4 && n < max; waves = waves ? waves * 4 : 1) {
+			struct nk_variant w = v;
+			w.param &= ~((uint32_t)MAX_UNITS_CAP << 16);
+			with_waves(args, waves, &w);
+			n = append_new(out, n, max, &w);
+		}
+	}
 	/*
 	 * Jobs with norm variants: the fused family, and the families that run
 	 * their features (bench_norm times these; the daemon takes the rules'

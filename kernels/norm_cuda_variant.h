@@ -66,6 +66,9 @@ struct nk__shape_request {
 	int blocks;	     /* blocks sharing a row (block_smem, ring, tma_slice) */
 	bool staged_weights; /* ring, memory-efficient: gamma, beta, 1 / clamp(gamma)
 				in shared memory */
+	int waves;	     /* tiled forward: a grid of this many times the row groups the
+				reference device holds at once, each block looping over
+				rows (0: a block a row group) */
 };
 
 /*

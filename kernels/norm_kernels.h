@@ -267,7 +267,7 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
  * daemon persisted for older kernels are dropped instead of kept forever
  * (this line's git history says what each generation changed).
  */
-#define NK_VARIANT_SET 8
+#define NK_VARIANT_SET 9
 
 /* Which kernel family a variant runs. */
 enum nk_variant_family {

@@ -414,6 +414,29 @@ static void run_many_rows(bool quick)
 	}
 }
 
+/*
+ * Forward rows well past the persistent grids of the FP8 and the wide
+ * residual-add rules (four waves of the reference device's row groups:
+ * 2112 groups of 16 rows at 512 columns, 528 or 1056 rows at 12288), so
+ * that each block loops over several row groups; amax over all of them.
+ */
+static void run_many_forward_rows(void)
+{
+	static const int64_t widths[] = {512, 12288};
+	static const int64_t rows[] = {40009, 2203};
+	for (size_t w = 0; w < sizeof(widths) / sizeof(widths[0]); w++) {
+		for (int op = NK_LAYERNORM_FWD; op <= NK_RMSNORM_FWD; op += 2) {
+			for (int v = 0; v < 2; v++) {
+				struct tcase c = {.op = (enum nk_op)op, .dt = NK_BF16, .wdt = NK_BF16,
+						  .rows = rows[w], .cols = widths[w],
+						  .residual = v == 1,
+						  .fp8 = v == 0 ? NK_FP8_E4M3 : NK_FP8_NONE};
+				run_forward(&c);
+			}
+		}
+	}
+}
+
 /* Every case, each on the variant `named` says. */
 static void run_suite(bool quick)
 {
@@ -486,6 +509,8 @@ int main(int argc, char **argv)
 		run_suite(quick);
 		run_many_rows(quick);
 	}
+	named = NULL;
+	run_many_forward_rows();
 	printf("test_fused_cuda: %d passed, %d failed\n", passed, failed);
 	return failed ? 1 : 0;
 }
