@@ -58,6 +58,14 @@ constexpr bool HAS_CLUSTERS = true;
 enum Var { VAR_NONE, VAR_E4M3, VAR_E5M2, VAR_ADD };
 
 /*
+ * Which weights a forward instance reads: as the job's flags say, with the
+ * weight offset (WEIGHTS_ANY); or gamma, and beta for LayerNorm, with no
+ * offset (WEIGHTS_AFFINE), the common job, whose write pass then holds no
+ * default weights and no offset add (an instruction or two an element).
+ */
+enum Weights { WEIGHTS_ANY, WEIGHTS_AFFINE };
+
+/*
  * The vectors of a row a thread owns: j-th at first + j * step (first =
  * rank * G + t, step = K * G), fewer than nvec unless the row is short.
  */
@@ -256,7 +264,7 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
  * only): y goes to `out8` as saturate(RNE(y * scale)) FP8 bytes, |y|
  * folded into *amax.
  */
-template <typename T, typename W, int FMT = NK_FP8_NONE>
+template <typename T, typename W, int FMT = NK_FP8_NONE, int WTS = WEIGHTS_ANY, bool LN = true>
 __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 					     const float *x, float mean, float rstd,
 					     uint8_t *out8 = nullptr, float scale = 1.0f,
@@ -264,7 +272,9 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 {
 	constexpr int VEC = 16 / sizeof(T);
 	float g[VEC], b[VEC], y[VEC];
-	if (p.f & F_GAMMA) {
+	if (WTS == WEIGHTS_AFFINE) {
+		load_weights<VEC>(static_cast<const W *>(p.gamma) + v * VEC, g);
+	} else if (p.f & F_GAMMA) {
 		load_weights<VEC>(static_cast<const W *>(p.gamma) + v * VEC, g);
 		add_offset<VEC>(p, g);
 	} else {
@@ -272,7 +282,7 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 		for (int i = 0; i < VEC; i++)
 			g[i] = 1.0f;
 	}
-	if (p.f & F_BETA) {
+	if (WTS == WEIGHTS_AFFINE ? LN : (p.f & F_BETA) != 0) {
 		load_weights<VEC>(static_cast<const W *>(p.beta) + v * VEC, b);
 	} else {
 #pragma unroll
@@ -301,8 +311,8 @@ __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
 	__stcs(out + v, pack<T>(y));
 }
 
-/* y of the NV vectors a thread owns (packed in `v`); FMT: write_vector's. */
-template <typename T, typename W, int NV, bool FULL, int FMT>
+/* y of the NV vectors a thread owns (packed in `v`); FMT, WTS, LN: write_vector's. */
+template <typename T, typename W, int NV, bool FULL, int FMT, int WTS, bool LN>
 __device__ __forceinline__ void write_row(const Params &p, int64_t row, const uint4 *v, Owned o,
 					  float mean, float rstd, float scale, float *amax)
 {
@@ -314,7 +324,8 @@ __device__ __forceinline__ void write_row(const Params &p, int64_t row, const ui
 		if (has_vector<FULL>(p, o, j)) {
 			float x[VEC];
 			unpack<T>(v[j], x);
-			write_vector<T, W, FMT>(p, out, o.at(j), x, mean, rstd, out8, scale, amax);
+			write_vector<T, W, FMT, WTS, LN>(p, out, o.at(j), x, mean, rstd, out8, scale,
+							  amax);
 		}
 	}
 }
@@ -354,7 +365,7 @@ __device__ __forceinline__ void block_amax(const Params &p, float m)
  * waves instead, each block looping over rows, which pays a block's setup
  * once for several (tiled forward: persistent grids).
  */
-template <typename T, typename W, int NV, bool FULL, bool LN, int VAR, int FMT>
+template <typename T, typename W, int NV, bool FULL, bool LN, int VAR, int FMT, int WTS>
 __device__ __forceinline__ void tiled_rows(const Params &p, RedSmem &sm)
 {
 	const int g = row_group(p), t = threadIdx.x - g * p.G;
@@ -377,7 +388,8 @@ __device__ __forceinline__ void tiled_rows(const Params &p, RedSmem &sm)
 			load_row<T, NV, FULL>(p, row, valid, o, v);
 		row_stats<T, NV, FULL, LN>(p, v, o, sm, parity, &mean, &rstd);
 		if (valid) {
-			write_row<T, W, NV, FULL, FMT>(p, row, v, o, mean, rstd, scale, &amax);
+			write_row<T, W, NV, FULL, FMT, WTS, LN>(p, row, v, o, mean, rstd, scale,
+							       &amax);
 			if (t == 0 && rank == 0 && p.mean)
 				p.mean[row] = mean;
 			if (t == 0 && rank == 0 && p.rstd)
@@ -389,25 +401,37 @@ __device__ __forceinline__ void tiled_rows(const Params &p, RedSmem &sm)
 	cluster_done(p.K);
 }
 
-/* tiled_rows in the instance's output format (VAR_ADD: the job's). */
+/* tiled_rows in the instance's output format (VAR_ADD: the job's) and weights. */
+template <typename T, typename W, int NV, bool FULL, bool LN, int VAR, int WTS>
+__device__ __forceinline__ void tiled_format(const Params &p, RedSmem &sm)
+{
+	if constexpr (VAR == VAR_E4M3) {
+		tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E4M3, WTS>(p, sm);
+	} else if constexpr (VAR == VAR_E5M2) {
+		tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E5M2, WTS>(p, sm);
+	} else if constexpr (VAR == VAR_ADD) {
+		if (!(p.f & F_FP8))
+			tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_NONE, WTS>(p, sm);
+		else if (p.fp8 == NK_FP8_E4M3)
+			tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E4M3, WTS>(p, sm);
+		else
+			tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E5M2, WTS>(p, sm);
+	} else {
+		tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_NONE, WTS>(p, sm);
+	}
+}
+
 template <typename T, typename W, int NV, bool FULL, bool LN, int VAR>
 __global__ void __launch_bounds__(MAX_THREADS, VAR == VAR_ADD ? 1 : 2) fwd_tiled(const Params p)
 {
 	__shared__ RedSmem sm;
-	if constexpr (VAR == VAR_E4M3) {
-		tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E4M3>(p, sm);
-	} else if constexpr (VAR == VAR_E5M2) {
-		tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E5M2>(p, sm);
-	} else if constexpr (VAR == VAR_ADD) {
-		if (!(p.f & F_FP8))
-			tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_NONE>(p, sm);
-		else if (p.fp8 == NK_FP8_E4M3)
-			tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E4M3>(p, sm);
-		else
-			tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_E5M2>(p, sm);
-	} else {
-		tiled_rows<T, W, NV, FULL, LN, VAR, NK_FP8_NONE>(p, sm);
-	}
+	const unsigned affine = LN ? F_GAMMA | F_BETA : F_GAMMA;
+	/* 16-bit data only: fp32 rows are less bound by instructions, and spilled there. */
+	if (sizeof(T) == 2 && (p.f & affine) == affine && p.offset == 0.0f)
+		tiled_format<T, W, NV, FULL, LN, VAR, sizeof(T) == 2 ? WEIGHTS_AFFINE : WEIGHTS_ANY>(
+		    p, sm);
+	else
+		tiled_format<T, W, NV, FULL, LN, VAR, WEIGHTS_ANY>(p, sm);
 }
 
 /* Most blocks a forward grid has (a 1-D grid allows 2^31 - 1); the kernel strides past them. */
