@@ -25,7 +25,8 @@ struct Shape {
 	int NV;
 	int K;		     /* blocks sharing a row */
 	bool split;	     /* backward: K column slices after a row-sums kernel, no cluster */
-	int units_cap;	     /* backward: most row groups (clusters) in the grid */
+	int units_cap;	     /* most row groups (clusters) in the grid; tiled forward: 0 for
+				one block a row group, else its blocks loop over rows */
 	bool ring;	     /* block_smem backward: one row staged, `prefetch` of the next */
 	int prefetch;	     /* ring: vectors a thread of the next row staged ahead (<= NV) */
 	bool staged_weights; /* ring, memory-efficient: gamma, beta, rg in shared memory */

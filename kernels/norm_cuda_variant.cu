@@ -29,7 +29,9 @@
  *   - the backward grid is capped by units_cap, computed for a reference
  *     device of REF_SMS multiprocessors (tma_slice: the clusters an H100
  *     SXM holds) and never from the actual one, so the partial rows (hence
- *     the weight gradients' bits) depend on the shape and the variant alone.
+ *     the weight gradients' bits) depend on the shape and the variant alone;
+ *     a tiled forward's cap (0: none) is a few waves of the same device's
+ *     row groups (fwd_units_cap).
  *
  * Host code only, and no call here reaches the CUDA runtime: the policy and
  * the candidates run without a GPU (tests/unit/test_variant_policy.c).
