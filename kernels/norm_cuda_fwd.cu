@@ -262,7 +262,8 @@ __device__ __forceinline__ void row_stats(const Params &p, const uint4 *v, Owned
  * `out`; the weight is offset + gamma in fp32 (the weight-offset variant,
  * which every forward instance runs). FMT (an FP8 format, VAR kernels
  * only): y goes to `out8` as saturate(RNE(y * scale)) FP8 bytes, |y|
- * folded into *amax.
+ * folded into *amax. WTS: the weights as the job's flags say, or known
+ * affine (Weights); LN matters only then (whether beta is read).
  */
 template <typename T, typename W, int FMT = NK_FP8_NONE, int WTS = WEIGHTS_ANY, bool LN = true>
 __device__ __forceinline__ void write_vector(const Params &p, uint4 *out, int v,
@@ -358,11 +359,11 @@ __device__ __forceinline__ void block_amax(const Params &p, float m)
  * writes them, and the hardware starts the next block in its place. At
  * most 64 registers a thread (two blocks of 512 threads, four of 256, a
  * multiprocessor), so 32 warps a multiprocessor keep their loads in
- * flight: that beat a persistent grid of the same kernel for plain rows,
- * and a persistent kernel that loaded the next row while reducing this one
- * (BENCHMARKS.md, tiled forward: the kernel). Jobs bound by instructions
- * (FP8 output, wide rows with the residual add) run on a grid of four
- * waves instead, each block looping over rows, which pays a block's setup
+ * flight: that beat a persistent grid of the same kernel for plain rows
+ * of one block, and a persistent kernel that loaded the next row while
+ * reducing this one (BENCHMARKS.md, tiled forward: the kernel). Where the
+ * rules give a grid of a few waves (FP8 output, variant rows from 8193
+ * columns, rows on clusters), each block loops over rows, paying its setup
  * once for several (tiled forward: persistent grids).
  */
 template <typename T, typename W, int NV, bool FULL, bool LN, int VAR, int FMT, int WTS>
@@ -425,13 +426,15 @@ template <typename T, typename W, int NV, bool FULL, bool LN, int VAR>
 __global__ void __launch_bounds__(MAX_THREADS, VAR == VAR_ADD ? 1 : 2) fwd_tiled(const Params p)
 {
 	__shared__ RedSmem sm;
-	const unsigned affine = LN ? F_GAMMA | F_BETA : F_GAMMA;
 	/* 16-bit data only: fp32 rows are less bound by instructions, and spilled there. */
-	if (sizeof(T) == 2 && (p.f & affine) == affine && p.offset == 0.0f)
-		tiled_format<T, W, NV, FULL, LN, VAR, sizeof(T) == 2 ? WEIGHTS_AFFINE : WEIGHTS_ANY>(
-		    p, sm);
-	else
-		tiled_format<T, W, NV, FULL, LN, VAR, WEIGHTS_ANY>(p, sm);
+	if constexpr (sizeof(T) == 2) {
+		const unsigned affine = LN ? F_GAMMA | F_BETA : F_GAMMA;
+		if ((p.f & affine) == affine && p.offset == 0.0f) {
+			tiled_format<T, W, NV, FULL, LN, VAR, WEIGHTS_AFFINE>(p, sm);
+			return;
+		}
+	}
+	tiled_format<T, W, NV, FULL, LN, VAR, WEIGHTS_ANY>(p, sm);
 }
 
 /* Most blocks a forward grid has (a 1-D grid allows 2^31 - 1); the kernel strides past them. */
@@ -634,7 +637,7 @@ int launch_fwd_tiled(const struct nk_norm_args *a, const struct nk_device_info *
 		     cudaStream_t stream)
 {
 	Params p = params_of(a, s);
-	(void)dev; /* the grid is every row group, whatever the device */
+	(void)dev; /* the grid (every row group, or the variant's cap) never depends on the device */
 	return with_types(a->dtype, a->weight_dtype, [&](auto tt, auto wt) {
 		using T = decltype(tt);
 		using W = decltype(wt);

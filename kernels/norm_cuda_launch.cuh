@@ -62,7 +62,8 @@ struct Params {
 	float inv_cols; /* 1 / cols, rounded once from double */
 	unsigned f;
 	int G;	      /* threads per row (per block of a cluster) */
-	int g_mul;    /* 2^21 / G + 1: (threadIdx.x * g_mul) >> 21 is threadIdx.x / G */
+	int g_mul;    /* 2^21 / G + 1 (params_of(a, s)): (threadIdx.x * g_mul) >> 21 is
+			 threadIdx.x / G; 0 where a launcher sets G itself */
 	int K;	      /* blocks sharing a row: a cluster, or (F_PRESUMS) column slices */
 	int R;	      /* rows a block holds at a time */
 	int nvec;     /* 16-byte vectors per row (tiled family) */

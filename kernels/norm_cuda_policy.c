@@ -23,8 +23,11 @@
  * The shapes are named by their builder (norm_cuda_variant.h, built in
  * norm_cuda_variant.cu): TILED(nv, threads) holds nv 16-byte vectors a
  * thread in registers (8 elements of f16 or bf16, 4 of fp32), rows of up
- * to a warp `threads` to a block; SMEM(nv) stages the row in shared memory;
- * TMA(blocks) stages rows by TMA bulk copies on `blocks` blocks a row.
+ * to a warp `threads` to a block, one block a row group; TILED_WAVES and
+ * TILED_CLUSTER_WAVES (forward) run the same on a grid of `w` waves of the
+ * reference device's row groups, whose blocks loop over rows; SMEM(nv)
+ * stages the row in shared memory; TMA(blocks) stages rows by TMA bulk
+ * copies on `blocks` blocks a row.
  * Each rule says why in a sentence; the measurements behind it are in
  * BENCHMARKS.md under "Why the defaults are what they are", by the heading
  * the rule names (kernel, op, width).
@@ -71,7 +74,7 @@ struct rule {
 	unsigned ops;		  /* LN_FWD, ..., ALL_OPS */
 	unsigned x;		  /* XBF16, XF16, X16, X32, ANY_X */
 	enum memeff_match memeff; /* EITHER, STANDARD, MEMEFF */
-	unsigned runs;		  /* PLAIN, VARIANTS: the norm variants the shape runs */
+	unsigned runs;		  /* PLAIN, FP8_OUT, VARIANTS: the norm variants the shape runs */
 	int min_sm;		  /* compute capability major at least (0: any device) */
 	int64_t min_cols;	  /* width in columns, inclusive */
 	int64_t max_cols;
@@ -82,18 +85,18 @@ struct rule {
 /* The shapes, by builder (norm_cuda_variant.h). */
 /* clang-format off */
 #define MOST NK__MOST_NV
-#define TILED(nv, threads)         {NK__TILED, (nv), (threads), 1, false, 0}
-#define TILED_WAVES(nv, threads, w) {NK__TILED, (nv), (threads), 1, false, (w)}
-#define TILED_CLUSTER(nv, threads) {NK__TILED_CLUSTER, (nv), (threads), 0, false, 0}
+#define TILED(nv, threads)                  {NK__TILED, (nv), (threads), 1, false, 0}
+#define TILED_WAVES(nv, threads, w)         {NK__TILED, (nv), (threads), 1, false, (w)}
+#define TILED_CLUSTER(nv, threads)          {NK__TILED_CLUSTER, (nv), (threads), 0, false, 0}
 #define TILED_CLUSTER_WAVES(nv, threads, w) {NK__TILED_CLUSTER, (nv), (threads), 0, false, (w)}
-#define TILED_SPLIT(nv, threads)   {NK__TILED_SPLIT, (nv), (threads), 0, false, 0}
-#define SMEM(nv)                   {NK__SMEM, (nv), 0, 1, false, 0}
-#define SMEM_MOST_THREADS          {NK__SMEM_MOST_THREADS, 0, 0, 0, false, 0}
-#define RING_STAGED_WEIGHTS(nv)    {NK__RING, (nv), 0, 1, true, 0}
-#define TMA(blocks)                {NK__TMA, 0, 0, (blocks), false, 0}
-#define TMA_FEWEST_BLOCKS          {NK__TMA_FEWEST_BLOCKS, 0, 0, 0, false, 0}
-#define GENERIC                    {NK__GENERIC, 0, 0, 0, false, 0}
-#define FUSED                      {NK__FUSED, 0, 0, 0, false, 0}
+#define TILED_SPLIT(nv, threads)            {NK__TILED_SPLIT, (nv), (threads), 0, false, 0}
+#define SMEM(nv)                            {NK__SMEM, (nv), 0, 1, false, 0}
+#define SMEM_MOST_THREADS                   {NK__SMEM_MOST_THREADS, 0, 0, 0, false, 0}
+#define RING_STAGED_WEIGHTS(nv)             {NK__RING, (nv), 0, 1, true, 0}
+#define TMA(blocks)                         {NK__TMA, 0, 0, (blocks), false, 0}
+#define TMA_FEWEST_BLOCKS                   {NK__TMA_FEWEST_BLOCKS, 0, 0, 0, false, 0}
+#define GENERIC                             {NK__GENERIC, 0, 0, 0, false, 0}
+#define FUSED                               {NK__FUSED, 0, 0, 0, false, 0}
 /* clang-format on */
 
 /*

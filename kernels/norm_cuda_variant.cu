@@ -30,8 +30,8 @@
  *     device of REF_SMS multiprocessors (tma_slice: the clusters an H100
  *     SXM holds) and never from the actual one, so the partial rows (hence
  *     the weight gradients' bits) depend on the shape and the variant alone;
- *     a tiled forward's cap (0: none) is a few waves of the same device's
- *     row groups (fwd_units_cap).
+ *     a tiled forward's cap (0: none) is a few waves of the reference
+ *     device's row groups (fwd_units_cap).
  *
  * Host code only, and no call here reaches the CUDA runtime: the policy and
  * the candidates run without a GPU (tests/unit/test_variant_policy.c).
@@ -236,17 +236,17 @@ static bool tiled_variant(const struct nk_norm_args *a, const struct nk_device_i
 }
 
 /*
- * Caps a tiled forward variant's grid at `waves` times the row groups the
- * reference device holds at once (none for 0); true.
+ * Sets a tiled forward variant's grid to `waves` times the row groups the
+ * reference device holds at once, or (0) to one block a row group. A
+ * backward variant keeps its cap (bwd_units_cap).
  */
-static bool with_waves(const struct nk_norm_args *a, int waves, struct nk_variant *v)
+static void set_forward_waves(const struct nk_norm_args *a, int waves, struct nk_variant *v)
 {
-	if (waves > 0 && !is_bwd(a)) {
-		const Shape s = shape_of(v);
-		v->param = shape_param(s.NV, s.K,
-				       fwd_units_cap(s.threads, s.K, a->residual != NULL, waves), false);
-	}
-	return true;
+	if (is_bwd(a))
+		return;
+	const Shape s = shape_of(v);
+	const int cap = waves > 0 ? fwd_units_cap(s.threads, s.K, a->residual != NULL, waves) : 0;
+	v->param = shape_param(s.NV, s.K, cap, false);
 }
 
 static bool tiled_fits(const struct nk_norm_args *a, const struct nk_device_info *dev,
@@ -784,11 +784,12 @@ bool nk__variant_build(const struct nk_norm_args *args, const struct nk_device_i
 
 	switch (req->build) {
 	case NK__TILED:
-		return tiled_variant(args, dev, nv, req->threads, MAX_THREADS, false, out) &&
-		       shape_of(out).K == 1 && with_waves(args, req->waves, out);
 	case NK__TILED_CLUSTER:
-		return tiled_variant(args, dev, nv, req->threads, MAX_THREADS, false, out) &&
-		       with_waves(args, req->waves, out);
+		if (!tiled_variant(args, dev, nv, req->threads, MAX_THREADS, false, out) ||
+		    (req->build == NK__TILED && shape_of(out).K != 1))
+			return false;
+		set_forward_waves(args, req->waves, out);
+		return true;
 	case NK__TILED_SPLIT:
 		return tiled_variant(args, dev, nv, req->threads, MAX_THREADS, true, out);
 	case NK__SMEM:
@@ -838,10 +839,10 @@ int nk_cuda_variant_candidates(const struct nk_norm_args *args, const struct nk_
 	out[n++] = v;
 	/* A tiled forward default, also on one block a row group and on grids of 1 and 4 waves. */
 	if (!is_bwd(args) && (v.family == NK_FAMILY_WARP_ROWS || v.family == NK_FAMILY_BLOCK_ROW)) {
-		for (int waves = 0; waves <= 4 && n < max; waves = waves ? waves * 4 : 1) {
+		static const int waves[] = {0, 1, 4};
+		for (size_t i = 0; i < sizeof(waves) / sizeof(waves[0]) && n < max; i++) {
 			struct nk_variant w = v;
-			w.param &= ~((uint32_t)MAX_UNITS_CAP << 16);
-			with_waves(args, waves, &w);
+			set_forward_waves(args, waves[i], &w);
 			n = append_new(out, n, max, &w);
 		}
 	}

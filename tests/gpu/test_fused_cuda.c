@@ -10,6 +10,9 @@
  * generic one at unaligned widths), widths staged in shared memory and
  * wider ones, and bit-identical
  * weight gradients run to run. Outputs are poisoned (0xff) before each run.
+ * Last, on the default variant only, bf16 forward rows well past the
+ * grids of a few waves (blocks looping over row groups, on one block a row
+ * and on clusters), with --quick too.
  * Usage: test_fused_cuda [--quick] (GPU 0); --quick runs a subset (five
  * widths, two dtypes), for compute-sanitizer.
  */
@@ -415,15 +418,17 @@ static void run_many_rows(bool quick)
 }
 
 /*
- * Forward rows well past the persistent grids of the FP8 and the wide
- * residual-add rules (four waves of the reference device's row groups:
- * 2112 groups of 16 rows at 512 columns, 528 or 1056 rows at 12288), so
- * that each block loops over several row groups; amax over all of them.
+ * Forward rows well past the grids of four waves the rules give the FP8
+ * forward, variant rows from 8193 columns and rows on clusters (the
+ * reference device's row groups: 2112 groups of 16 rows at 512 columns,
+ * 528 or 1056 rows at 12288, 264 or 528 clusters of 2 at 32768), so that
+ * each block (cluster) loops over several row groups; amax over all of
+ * them. The residual rows at 512 columns run on one block a row group.
  */
 static void run_many_forward_rows(void)
 {
-	static const int64_t widths[] = {512, 12288};
-	static const int64_t rows[] = {40009, 2203};
+	static const int64_t widths[] = {512, 12288, 32768};
+	static const int64_t rows[] = {100003, 2203, 1201};
 	for (size_t w = 0; w < sizeof(widths) / sizeof(widths[0]); w++) {
 		for (int op = NK_LAYERNORM_FWD; op <= NK_RMSNORM_FWD; op += 2) {
 			for (int v = 0; v < 2; v++) {
