@@ -500,27 +500,30 @@ def test_a_client_dropped_between_forward_and_backward_stays_open(operator, reco
     assert alive() is None  # and released with the graph
 
 
+def _refused_second_time(call, recorder, message):
+    """A step that calls `call` twice, the library refusing the second forward as UNSUPPORTED
+    with `message` (the first call teaches the operator the client's key)."""
+    def step(c):
+        call(c)
+        recorder.rec_fail(_lib.STATUS_CODES["UNSUPPORTED"], 1 << 3, message)
+        return call(c)
+    return step
+
+
+_CAPTURING = b"the stream is capturing a CUDA graph, and ..."
+
+
 def test_the_ops_kernels_hand_a_capturing_stream_to_python_and_raise_other_refusals(
         ops_paths, recorder):
     """Python words the capture refusal for PyTorch users; other refusals are RuntimeErrors."""
-    unsupported = _lib.STATUS_CODES["UNSUPPORTED"]
     call = _through_ops(True, False)
-
-    def capturing(c):
-        call(c)  # the key learned; then the forward op's library call refuses the stream
-        recorder.rec_fail(unsupported, 1 << 3, b"the stream is capturing a CUDA graph, and ...")
-        return call(c)
-
+    capturing = _refused_second_time(call, recorder, _CAPTURING)
     _, by_kernels, by_python = ops_paths(True, capturing)
     # In C++: the first call's forward and backward and the second's backward; the
     # refused forward went to the Python implementation (its library call recorded here).
     assert (by_kernels, by_python) == (3, 1)
 
-    def refused(c):
-        call(c)
-        recorder.rec_fail(unsupported, 1 << 3, b"tensor x: not exportable")
-        return call(c)
-
+    refused = _refused_second_time(call, recorder, b"tensor x: not exportable")
     with pytest.raises(RuntimeError, match=r"normd error -\d+ \(UNSUPPORTED\): tensor x"):
         ops_paths(True, refused)
 
@@ -754,14 +757,8 @@ def test_the_variant_ops_kernels_hand_the_library_what_their_python_does(
 
 def test_the_variant_ops_kernels_hand_a_capturing_stream_to_python(variant_ops_paths,
                                                                     recorder):
-    unsupported = _lib.STATUS_CODES["UNSUPPORTED"]
     call = _through_variant_ops(True, False, True, 0.0)
-
-    def capturing(c):
-        call(c)  # the key learned; then the forward op's library call refuses the stream
-        recorder.rec_fail(unsupported, 1 << 3, b"the stream is capturing a CUDA graph, and ...")
-        return call(c)
-
+    capturing = _refused_second_time(call, recorder, _CAPTURING)
     # In C++: the first call's jobs and the second's backward; the refused forward went to
     # the Python implementation (its library call recorded here).
     _, by_kernels, by_python = variant_ops_paths(True, capturing)
