@@ -361,6 +361,140 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 }
 
 /*
+ * The common job's backward: standard (x, not y), gamma without an offset,
+ * dgamma wanted, each row in one block (K = 1, not split), which is what a
+ * training step runs. bwd_tiled serves every job with run-time flags and
+ * pays for them in every element (defaults for absent weights, the offset,
+ * the memory-efficient branch, the cluster exchange, the copies of the
+ * prefetched row); here LayerNorm or RMSNorm is known at compile time, and
+ * the row loop is unrolled by two over two row buffers, the reduction's
+ * parity with it. The partial rows are bwd_tiled's, summed in the same
+ * order, so dgamma and dbeta keep their bits.
+ */
+template <typename T, int NV, bool DS> struct CommonRow {
+	static constexpr bool DS_AHEAD = DS && NV * 16 / sizeof(T) <= 8;
+	uint4 x[NV], dy[NV], ds[DS_AHEAD ? NV : 1];
+	float mean, rstd;
+	bool valid;
+};
+
+template <typename T, int NV, bool DS, bool LN>
+__device__ __forceinline__ void load_common_row(const Params &p, int64_t it, int g, const int *vi,
+						CommonRow<T, NV, DS> &r)
+{
+	const int64_t row = it * p.R + g;
+	r.valid = it < p.iters && row < p.rows;
+	load_row<T, NV>(p, row, r.valid, vi, r.x, r.dy);
+	if constexpr (CommonRow<T, NV, DS>::DS_AHEAD)
+		load_ds<T, NV>(p, row, r.valid, vi, r.ds);
+	r.mean = LN && r.valid ? p.mean[row] : 0.0f;
+	r.rstd = r.valid ? p.rstd[row] : 0.0f;
+}
+
+/* One row of bwd_common: its sums, their reduction, dx, the weight-gradient sums. */
+template <typename T, typename W, int NV, bool DS, bool LN, int PARITY>
+__device__ __forceinline__ void common_row(const Params &p, int64_t it, int g, const int *vi,
+					   CommonRow<T, NV, DS> &r, RedSmem &sm, float *ag,
+					   float *ab)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	const W *gamma = static_cast<const W *>(p.gamma);
+	float s[2] = {0.0f, 0.0f}; /* sum(g * xh), and for LayerNorm sum(g) */
+
+	/* Vectors past the row end hold zeros (dy = 0), and read vector 0's weights. */
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		float x[VEC], dy[VEC], gm[VEC];
+		unpack<T>(r.x[j], x);
+		unpack<T>(r.dy[j], dy);
+		load_weights<VEC>(gamma + (vi[j] < p.nvec ? vi[j] : 0) * VEC, gm);
+#pragma unroll
+		for (int i = 0; i < VEC; i++) {
+			const float xh = (LN ? x[i] - r.mean : x[i]) * r.rstd, gg = dy[i] * gm[i];
+			s[0] += gg * xh;
+			if (LN)
+				s[1] += gg;
+			ag[j * VEC + i] += dy[i] * xh;
+			ab[j * VEC + i] += dy[i];
+		}
+	}
+	group_reduce<SumOp<LN ? 2 : 1>>(s, p.G, 1, sm, PARITY);
+	/* dx = rstd * (g - m1 - xh * m2) = rstd * g + (x - mean) * k + c */
+	const float k = -r.rstd * r.rstd * (s[0] * p.inv_cols);
+	const float c = LN ? -r.rstd * (s[1] * p.inv_cols) : 0.0f;
+	const int64_t row = it * p.R + g;
+	uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.dx) + row * p.cols);
+	gamma = launder(gamma); /* reloaded (L1) rather than kept across the reduction */
+#pragma unroll
+	for (int j = 0; j < NV; j++) {
+		if (!r.valid || vi[j] >= p.nvec)
+			continue;
+		float x[VEC], dy[VEC], gm[VEC], dx[VEC];
+		launder(r.x[j]);
+		launder(r.dy[j]);
+		unpack<T>(r.x[j], x);
+		unpack<T>(r.dy[j], dy);
+		load_weights<VEC>(gamma + vi[j] * VEC, gm);
+#pragma unroll
+		for (int i = 0; i < VEC; i++)
+			dx[i] = fmaf(r.rstd, dy[i] * gm[i],
+				     LN ? fmaf(x[i] - r.mean, k, c) : x[i] * k);
+		if constexpr (DS) {
+			float ds[VEC];
+			unpack<T>(CommonRow<T, NV, DS>::DS_AHEAD
+				      ? r.ds[j]
+				      : load_stream(reinterpret_cast<const uint4 *>(
+							static_cast<const T *>(p.ds) + row * p.cols) +
+						    vi[j]),
+				  ds);
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				dx[i] += ds[i];
+		}
+		__stcs(out + vi[j], pack<T>(dx));
+	}
+}
+
+template <typename T, typename W, int NV, bool DS, bool LN>
+__global__ void BWD_LAUNCH_BOUNDS bwd_common(const Params p)
+{
+	constexpr int E = NV * 16 / sizeof(T);
+	__shared__ RedSmem sm;
+	const int g = row_group(p), t = threadIdx.x - g * p.G;
+	const int64_t first = blockIdx.x, stride = gridDim.x;
+	int vi[NV];
+	float ag[E], ab[E];
+	CommonRow<T, NV, DS> a, b;
+
+#pragma unroll
+	for (int j = 0; j < NV; j++)
+		vi[j] = j * p.G + t;
+#pragma unroll
+	for (int e = 0; e < E; e++) {
+		ag[e] = 0.0f;
+		ab[e] = 0.0f;
+	}
+	load_common_row<T, NV, DS, LN>(p, first, g, vi, a);
+	for (int64_t it = first; it < p.iters; it += 2 * stride) {
+		load_common_row<T, NV, DS, LN>(p, it + stride, g, vi, b);
+		common_row<T, W, NV, DS, LN, 0>(p, it, g, vi, a, sm, ag, ab);
+		if (it + stride >= p.iters)
+			break;
+		load_common_row<T, NV, DS, LN>(p, it + 2 * stride, g, vi, a);
+		common_row<T, W, NV, DS, LN, 1>(p, it + stride, g, vi, b, sm, ag, ab);
+	}
+	write_partials<NV, E / NV>(p, first * p.R + g, vi, ag, ab);
+}
+
+/* Whether bwd_common runs a standard tiled job (its comment). */
+static bool common_job(const Params &p, const Shape &s)
+{
+	const unsigned need = F_GAMMA | F_DGAMMA;
+	return (p.f & need) == need && !(p.f & (F_MEMEFF | F_PRESUMS)) && p.offset == 0.0f &&
+	       s.K == 1 && !s.split;
+}
+
+/*
  * Split backward, first kernel: sum(g) and sum(g * xh) of whole rows, a
  * block a row, the row walked in chunks of NV vectors a thread; the tiled
  * kernel then runs on column slices with these sums (F_PRESUMS).
@@ -422,6 +556,15 @@ int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaS
 			return set_error(err, "backward row sums launch");
 	}
 	const bool ds = p.f & F_RESIDUAL;
+	if (common_job(p, s)) {
+		const bool ln = p.f & F_LN;
+		err = launch_kernel(ds ? (ln ? bwd_common<T, W, NV, true, true>
+					     : bwd_common<T, W, NV, true, false>)
+				       : (ln ? bwd_common<T, W, NV, false, true>
+					     : bwd_common<T, W, NV, false, false>),
+				    units, s.threads, 1, stream, p);
+		return err == cudaSuccess ? NK_OK : set_error(err, "backward kernel launch");
+	}
 	if (!(p.f & F_MEMEFF)) {
 		err = launch_kernel(ds ? bwd_tiled<T, W, NV, false, true> : bwd_tiled<T, W, NV, false, false>,
 				    units * s.K, s.threads, s.split ? 1 : s.K, stream, p);
