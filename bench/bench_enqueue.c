@@ -526,6 +526,7 @@ static int device_info(int device, struct nk_device_info *dev)
 	dev->max_smem_per_block_optin = prop.sharedMemPerBlockOptin;
 	dev->cc_major = prop.major;
 	dev->cc_minor = prop.minor;
+	dev->mem_gbps = nk_cuda_mem_gbps(device);
 	return 0;
 }
 

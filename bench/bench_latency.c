@@ -130,6 +130,7 @@ static struct summary launch_sync(struct tiny *t, int iters)
 	dev.max_smem_per_block_optin = prop.sharedMemPerBlockOptin;
 	dev.cc_major = prop.major;
 	dev.cc_minor = prop.minor;
+	dev.mem_gbps = nk_cuda_mem_gbps(0);
 	struct nk_variant v;
 	nk_cuda_variant_default(&t->args, &dev, &v);
 	void *ws = NULL;

@@ -406,8 +406,9 @@ static void setup(bool variants)
 	dev.max_smem_per_block_optin = prop.sharedMemPerBlockOptin;
 	dev.cc_major = prop.major;
 	dev.cc_minor = prop.minor;
-	printf("device name=\"%s\" sms=%d l2_mb=%d\n", prop.name, dev.sm_count,
-	       prop.l2CacheSize >> 20);
+	dev.mem_gbps = nk_cuda_mem_gbps(dev.ordinal);
+	printf("device name=\"%s\" sms=%d l2_mb=%d mem_gbps=%d\n", prop.name, dev.sm_count,
+	       prop.l2CacheSize >> 20, dev.mem_gbps);
 	copy_gbps = measure_copy();
 	printf("copy gbps=%.1f\n", copy_gbps);
 	for (int k = 0; k < 2; k++) {

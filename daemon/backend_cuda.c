@@ -1292,6 +1292,7 @@ static int device_init(struct backend_cuda *cuda, struct cuda_device *dev,
 		.max_smem_per_block_optin = prop.sharedMemPerBlockOptin,
 		.cc_major = prop.major,
 		.cc_minor = prop.minor,
+		.mem_gbps = nk_cuda_mem_gbps(ordinal),
 	};
 	described->index = ordinal;
 	memcpy(described->uuid, prop.uuid.bytes, 16);

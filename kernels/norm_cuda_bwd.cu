@@ -153,6 +153,12 @@ __device__ __forceinline__ void stage_weights(const Params &p, int rank, float4 
 	__syncthreads();
 }
 
+/* Shared memory of the staged weights (memory-efficient tiled backward). */
+template <typename T> static size_t staged_weight_bytes(int nv, int G)
+{
+	return (size_t)3 * (16 / sizeof(T)) * sizeof(float) * (size_t)nv * (size_t)G;
+}
+
 /* Adds one vector's terms to the row sums: s[0] += sum(g), s[1] += sum(g * xh). */
 template <int VEC>
 __device__ __forceinline__ void add_row_sums(const float *xh, const float *g, float *s)
@@ -361,9 +367,12 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
 }
 
 /*
- * The common job's backward: standard (x, not y), gamma without an offset,
- * dgamma wanted, each row in one block (K = 1, not split), which is what a
- * training step runs. bwd_tiled serves every job with run-time flags and
+ * The common job's backward: each row in one block (K = 1, not split),
+ * dgamma wanted, and either standard (x) with gamma and no weight offset,
+ * or memory-efficient RMSNorm (y) with the weights staged as bwd_tiled
+ * stages them (ME): what a training step runs. (Memory-efficient
+ * LayerNorm reads a third staged weight, beta, every vector, and ran
+ * slower this way at 128-512 and 8192 columns: it stays on bwd_tiled.) bwd_tiled serves every job with run-time flags and
  * pays for them in every element (defaults for absent weights, the offset,
  * the memory-efficient branch, the cluster exchange, the copies of the
  * prefetched row); here LayerNorm or RMSNorm is known at compile time, and
@@ -378,7 +387,7 @@ template <typename T, int NV, bool DS> struct CommonRow {
 	bool valid;
 };
 
-template <typename T, int NV, bool DS, bool LN>
+template <typename T, int NV, bool DS, bool LN, bool ME>
 __device__ __forceinline__ void load_common_row(const Params &p, int64_t it, int g, const int *vi,
 						CommonRow<T, NV, DS> &r)
 {
@@ -387,40 +396,71 @@ __device__ __forceinline__ void load_common_row(const Params &p, int64_t it, int
 	load_row<T, NV>(p, row, r.valid, vi, r.x, r.dy);
 	if constexpr (CommonRow<T, NV, DS>::DS_AHEAD)
 		load_ds<T, NV>(p, row, r.valid, vi, r.ds);
-	r.mean = LN && r.valid ? p.mean[row] : 0.0f;
+	r.mean = LN && !ME && r.valid ? p.mean[row] : 0.0f;
 	r.rstd = r.valid ? p.rstd[row] : 0.0f;
 }
 
+/*
+ * x_hat and gamma of vector j: standard from x, the row's mean and rstd;
+ * memory-efficient from y and the staged gamma, beta and rg (its absent
+ * vectors hold 1, 0, 0). Vectors past the row end hold zeros (dy = 0) and
+ * read vector 0's weights.
+ */
+template <typename T, typename W, int NV, bool LN, bool ME>
+__device__ __forceinline__ void common_terms(const Params &p, const W *gamma, const float4 *staged,
+					     const int *vi, int j, const float *x, float mean,
+					     float rstd, float *xh, float *gm)
+{
+	constexpr int VEC = 16 / sizeof(T);
+	if constexpr (ME) {
+		const Staged sw = {staged, vi[j], NV * p.G}; /* K = 1: slot j * G + t is vi[j] */
+		float bt[VEC], rg[VEC];
+		read_staged<VEC>(sw, 0, gm);
+		read_staged<VEC>(sw, 1, bt);
+		read_staged<VEC>(sw, 2, rg);
+#pragma unroll
+		for (int i = 0; i < VEC; i++)
+			xh[i] = (LN ? x[i] - bt[i] : x[i]) * rg[i];
+	} else {
+		load_weights<VEC>(gamma + (vi[j] < p.nvec ? vi[j] : 0) * VEC, gm);
+#pragma unroll
+		for (int i = 0; i < VEC; i++)
+			xh[i] = (LN ? x[i] - mean : x[i]) * rstd;
+	}
+}
+
 /* One row of bwd_common: its sums, their reduction, dx, the weight-gradient sums. */
-template <typename T, typename W, int NV, bool DS, bool LN, int PARITY>
+template <typename T, typename W, int NV, bool DS, bool LN, bool ME, int PARITY>
 __device__ __forceinline__ void common_row(const Params &p, int64_t it, int g, const int *vi,
-					   CommonRow<T, NV, DS> &r, RedSmem &sm, float *ag,
-					   float *ab)
+					   CommonRow<T, NV, DS> &r, RedSmem &sm,
+					   const float4 *staged, float *ag, float *ab)
 {
 	constexpr int VEC = 16 / sizeof(T);
 	const W *gamma = static_cast<const W *>(p.gamma);
 	float s[2] = {0.0f, 0.0f}; /* sum(g * xh), and for LayerNorm sum(g) */
 
-	/* Vectors past the row end hold zeros (dy = 0), and read vector 0's weights. */
 #pragma unroll
 	for (int j = 0; j < NV; j++) {
-		float x[VEC], dy[VEC], gm[VEC];
+		float x[VEC], dy[VEC], gm[VEC], xh[VEC];
 		unpack<T>(r.x[j], x);
 		unpack<T>(r.dy[j], dy);
-		load_weights<VEC>(gamma + (vi[j] < p.nvec ? vi[j] : 0) * VEC, gm);
+		common_terms<T, W, NV, LN, ME>(p, gamma, staged, vi, j, x, r.mean, r.rstd, xh, gm);
 #pragma unroll
 		for (int i = 0; i < VEC; i++) {
-			const float xh = (LN ? x[i] - r.mean : x[i]) * r.rstd, gg = dy[i] * gm[i];
-			s[0] += gg * xh;
+			const float gg = dy[i] * gm[i];
+			s[0] += gg * xh[i];
 			if (LN)
 				s[1] += gg;
-			ag[j * VEC + i] += dy[i] * xh;
+			ag[j * VEC + i] += dy[i] * xh[i];
 			ab[j * VEC + i] += dy[i];
 		}
 	}
 	group_reduce<SumOp<LN ? 2 : 1>>(s, p.G, 1, sm, PARITY);
-	/* dx = rstd * (g - m1 - xh * m2) = rstd * g + (x - mean) * k + c */
-	const float k = -r.rstd * r.rstd * (s[0] * p.inv_cols);
+	/*
+	 * dx = rstd * (g - m1 - xh * m2): rstd * g + xh * k + c, the standard
+	 * job's xh * k as (x - mean) * (rstd * k).
+	 */
+	const float k = -r.rstd * (s[0] * p.inv_cols) * (ME ? 1.0f : r.rstd);
 	const float c = LN ? -r.rstd * (s[1] * p.inv_cols) : 0.0f;
 	const int64_t row = it * p.R + g;
 	uint4 *out = reinterpret_cast<uint4 *>(static_cast<T *>(p.dx) + row * p.cols);
@@ -434,11 +474,20 @@ __device__ __forceinline__ void common_row(const Params &p, int64_t it, int g, c
 		launder(r.dy[j]);
 		unpack<T>(r.x[j], x);
 		unpack<T>(r.dy[j], dy);
-		load_weights<VEC>(gamma + vi[j] * VEC, gm);
+		if constexpr (ME) {
+			float xh[VEC];
+			common_terms<T, W, NV, LN, ME>(p, gamma, staged, vi, j, x, 0.0f, 0.0f, xh,
+						       gm);
 #pragma unroll
-		for (int i = 0; i < VEC; i++)
-			dx[i] = fmaf(r.rstd, dy[i] * gm[i],
-				     LN ? fmaf(x[i] - r.mean, k, c) : x[i] * k);
+			for (int i = 0; i < VEC; i++)
+				dx[i] = fmaf(r.rstd, dy[i] * gm[i], fmaf(xh[i], k, c));
+		} else {
+			load_weights<VEC>(gamma + vi[j] * VEC, gm);
+#pragma unroll
+			for (int i = 0; i < VEC; i++)
+				dx[i] = fmaf(r.rstd, dy[i] * gm[i],
+					     LN ? fmaf(x[i] - r.mean, k, c) : x[i] * k);
+		}
 		if constexpr (DS) {
 			float ds[VEC];
 			unpack<T>(CommonRow<T, NV, DS>::DS_AHEAD
@@ -455,11 +504,12 @@ __device__ __forceinline__ void common_row(const Params &p, int64_t it, int g, c
 	}
 }
 
-template <typename T, typename W, int NV, bool DS, bool LN>
+template <typename T, typename W, int NV, bool DS, bool LN, bool ME>
 __global__ void BWD_LAUNCH_BOUNDS bwd_common(const Params p)
 {
 	constexpr int E = NV * 16 / sizeof(T);
 	__shared__ RedSmem sm;
+	extern __shared__ float4 staged[]; /* ME: the weights, see Staged */
 	const int g = row_group(p), t = threadIdx.x - g * p.G;
 	const int64_t first = blockIdx.x, stride = gridDim.x;
 	int vi[NV];
@@ -474,24 +524,49 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_common(const Params p)
 		ag[e] = 0.0f;
 		ab[e] = 0.0f;
 	}
-	load_common_row<T, NV, DS, LN>(p, first, g, vi, a);
+	if constexpr (ME)
+		stage_weights<T, W, NV>(p, 0, staged);
+	load_common_row<T, NV, DS, LN, ME>(p, first, g, vi, a);
 	for (int64_t it = first; it < p.iters; it += 2 * stride) {
-		load_common_row<T, NV, DS, LN>(p, it + stride, g, vi, b);
-		common_row<T, W, NV, DS, LN, 0>(p, it, g, vi, a, sm, ag, ab);
+		load_common_row<T, NV, DS, LN, ME>(p, it + stride, g, vi, b);
+		common_row<T, W, NV, DS, LN, ME, 0>(p, it, g, vi, a, sm, staged, ag, ab);
 		if (it + stride >= p.iters)
 			break;
-		load_common_row<T, NV, DS, LN>(p, it + 2 * stride, g, vi, a);
-		common_row<T, W, NV, DS, LN, 1>(p, it + stride, g, vi, b, sm, ag, ab);
+		load_common_row<T, NV, DS, LN, ME>(p, it + 2 * stride, g, vi, a);
+		common_row<T, W, NV, DS, LN, ME, 1>(p, it + stride, g, vi, b, sm, staged, ag, ab);
 	}
 	write_partials<NV, E / NV>(p, first * p.R + g, vi, ag, ab);
 }
 
-/* Whether bwd_common runs a standard tiled job (its comment). */
+/* Whether bwd_common runs a tiled job (its comment). */
 static bool common_job(const Params &p, const Shape &s)
 {
-	const unsigned need = F_GAMMA | F_DGAMMA;
-	return (p.f & need) == need && !(p.f & (F_MEMEFF | F_PRESUMS)) && p.offset == 0.0f &&
-	       s.K == 1 && !s.split;
+	const bool weights = (p.f & F_MEMEFF) ? !(p.f & F_LN) : (p.f & F_GAMMA) && p.offset == 0.0f;
+	return (p.f & F_DGAMMA) && !(p.f & F_PRESUMS) && weights && s.K == 1 && !s.split;
+}
+
+/* Launches bwd_common<T, W, NV, DS, LN, ME> with the job's DS, LN and ME. */
+template <typename T, typename W, int NV>
+cudaError_t launch_common(const Params &p, const struct nk_device_info *dev, int64_t grid,
+			  int threads, cudaStream_t stream)
+{
+	const bool ds = p.f & F_RESIDUAL, ln = p.f & F_LN;
+	if (!(p.f & F_MEMEFF))
+		return launch_kernel(ds ? (ln ? bwd_common<T, W, NV, true, true, false>
+					      : bwd_common<T, W, NV, true, false, false>)
+					: (ln ? bwd_common<T, W, NV, false, true, false>
+					      : bwd_common<T, W, NV, false, false, false>),
+				     grid, threads, 1, stream, p);
+	const size_t smem = staged_weight_bytes<T>(NV, p.G);
+	if (ds)
+		return ln ? launch_with_smem<bwd_common<T, W, NV, true, true, true>>(
+				dev, grid, threads, 1, stream, p, smem)
+			  : launch_with_smem<bwd_common<T, W, NV, true, false, true>>(
+				dev, grid, threads, 1, stream, p, smem);
+	return ln ? launch_with_smem<bwd_common<T, W, NV, false, true, true>>(dev, grid, threads, 1,
+									     stream, p, smem)
+		  : launch_with_smem<bwd_common<T, W, NV, false, false, true>>(dev, grid, threads, 1,
+									      stream, p, smem);
 }
 
 /*
@@ -534,12 +609,6 @@ __global__ void __launch_bounds__(MAX_THREADS) bwd_row_sums(const Params p)
 	}
 }
 
-/* Shared memory of the staged weights (memory-efficient tiled backward). */
-template <typename T> static size_t staged_weight_bytes(int nv, int G)
-{
-	return (size_t)3 * (16 / sizeof(T)) * sizeof(float) * (size_t)nv * (size_t)G;
-}
-
 template <typename T, typename W, int NV>
 int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaStream_t stream)
 {
@@ -557,12 +626,7 @@ int run(const Params &p, const struct nk_device_info *dev, const Shape &s, cudaS
 	}
 	const bool ds = p.f & F_RESIDUAL;
 	if (common_job(p, s)) {
-		const bool ln = p.f & F_LN;
-		err = launch_kernel(ds ? (ln ? bwd_common<T, W, NV, true, true>
-					     : bwd_common<T, W, NV, true, false>)
-				       : (ln ? bwd_common<T, W, NV, false, true>
-					     : bwd_common<T, W, NV, false, false>),
-				    units, s.threads, 1, stream, p);
+		err = launch_common<T, W, NV>(p, dev, units, s.threads, stream);
 		return err == cudaSuccess ? NK_OK : set_error(err, "backward kernel launch");
 	}
 	if (!(p.f & F_MEMEFF)) {

@@ -303,6 +303,15 @@ int nk_cuda_norm(const struct nk_norm_args *args, const struct nk_device_info *d
 	return rc;
 }
 
+int nk_cuda_mem_gbps(int ordinal)
+{
+	int khz = 0, bits = 0;
+	if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, ordinal) != cudaSuccess ||
+	    cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, ordinal) != cudaSuccess)
+		return 0;
+	return (int)(2.0 * khz * 1e3 * (bits / 8) / 1e9); /* double data rate */
+}
+
 const char *nk_cuda_last_error(void)
 {
 	return last_error;

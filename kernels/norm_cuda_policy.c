@@ -69,13 +69,22 @@ enum { PLAIN = 0, FP8_OUT = NK_FEATURE_FP8_OUTPUT, VARIANTS = NK_FEATURES_ALL };
 /* The upper bound of a rule for any width. */
 #define WIDEST INT64_MAX
 
+/*
+ * A rule's `sm` beyond the compute capabilities: sm_90 with at least
+ * FAST_MEMORY_GBPS of DRAM bandwidth (the H200's HBM3e, 1.41x the H100's
+ * copy bandwidth), where kernels that held the H100's bandwidth run short
+ * of instructions or bytes in flight and other shapes win.
+ */
+enum { FAST_MEMORY = 100 };
+#define FAST_MEMORY_GBPS 4000
+
 /* One rule: when it applies, and the shape it asks for. */
 struct rule {
 	unsigned ops;		  /* LN_FWD, ..., ALL_OPS */
 	unsigned x;		  /* XBF16, XF16, X16, X32, ANY_X */
 	enum memeff_match memeff; /* EITHER, STANDARD, MEMEFF */
 	unsigned runs;		  /* PLAIN, FP8_OUT, VARIANTS: the norm variants the shape runs */
-	int min_sm;		  /* compute capability major at least (0: any device) */
+	int min_sm;		  /* compute capability major at least (0: any device), or FAST_MEMORY */
 	int64_t min_cols;	  /* width in columns, inclusive */
 	int64_t max_cols;
 	struct nk__shape_request shape;
@@ -133,6 +142,24 @@ static const struct rule rules[] = {
     {FWD,     X32,   EITHER,   PLAIN,    0,  1,     WIDEST, TILED(MOST, 256),
      "wider fp32 rows on one block hold the most a thread can, and keep enough bytes in flight "
      "that staging them does not pay (tiled forward: fp32)"},
+    /* Backward on GPUs of FAST_MEMORY (the H200); measured there, the H100 keeps the rules below. */
+    {BWD,     X16,   EITHER,   PLAIN,    FAST_MEMORY, 1, 128, TMA(1),
+     "tma_slice rows on a warp's lanes beat the tiled rows "
+     "(tiled backward: the common job, on the H200)"},
+    {BWD,     X16,   STANDARD, PLAIN,    FAST_MEMORY, 8192, 8192, TILED(MOST, 256),
+     "the common job's tiled backward, a block of 512 threads a row, beat tma_slice "
+     "(tiled backward: the common job, on the H200)"},
+    {LN_BWD,  X16,   MEMEFF,   PLAIN,    FAST_MEMORY, 8192, 8192, TMA_FEWEST_BLOCKS,
+     "tma_slice beat the tiled LayerNorm rows, which stay on bwd_tiled "
+     "(tiled backward: the common job, on the H200)"},
+    {BWD,     X32,   EITHER,   PLAIN,    FAST_MEMORY, 513, 1024, TILED(2, 256),
+     "the rows held in registers beat the staged row "
+     "(tiled backward: the common job, on the H200)"},
+    {BWD,     X32,   MEMEFF,   PLAIN,    FAST_MEMORY, 1025, 2048, TILED(2, 256),
+     "memory-efficient rows held in registers beat the staged row "
+     "(tiled backward: the common job, on the H200)"},
+    {BWD,     X32,   EITHER,   PLAIN,    FAST_MEMORY, 2049, 4096, TMA_FEWEST_BLOCKS,
+     "tma_slice beat the staged row (tiled backward: the common job, on the H200)"},
     /* Backward, fp32 rows of up to 8192 columns. */
     {BWD,     X32,   EITHER,   PLAIN,    9,  257,   512,   TMA(1),
      "tma_slice rows on a warp's lanes beat the tiled kernel on these fp32 rows "
@@ -225,7 +252,10 @@ static bool rule_applies(const struct rule *r, const struct nk_norm_args *a,
 		return false;
 	if ((r->memeff == STANDARD && memeff) || (r->memeff == MEMEFF && !memeff))
 		return false;
-	return dev->cc_major >= r->min_sm && a->cols >= r->min_cols && a->cols <= r->max_cols;
+	const bool device = r->min_sm == FAST_MEMORY
+				? dev->cc_major >= 9 && dev->mem_gbps >= FAST_MEMORY_GBPS
+				: dev->cc_major >= r->min_sm;
+	return device && a->cols >= r->min_cols && a->cols <= r->max_cols;
 }
 
 int nk__policy_pick(const struct nk_norm_args *args, const struct nk_device_info *dev,

@@ -267,7 +267,7 @@ int nk_cpu_norm(const struct nk_norm_args *args, const struct nk_cpu_opts *opts,
  * daemon persisted for older kernels are dropped instead of kept forever
  * (this line's git history says what each generation changed).
  */
-#define NK_VARIANT_SET 9
+#define NK_VARIANT_SET 10
 
 /* Which kernel family a variant runs. */
 enum nk_variant_family {
@@ -309,7 +309,11 @@ struct nk_device_info {
 	int max_threads_per_sm;
 	size_t max_smem_per_block_optin;
 	int cc_major, cc_minor;
+	int mem_gbps; /* DRAM bandwidth by memory clock and bus width, GB/s (0: unknown) */
 };
+
+/* The mem_gbps of CUDA device `ordinal` (0 when the runtime does not say). */
+int nk_cuda_mem_gbps(int ordinal);
 
 /* Execution context for one launch. */
 struct nk_cuda_exec {

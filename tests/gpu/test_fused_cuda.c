@@ -508,7 +508,8 @@ int main(int argc, char **argv)
 	dev = (struct nk_device_info){.ordinal = 0, .sm_count = prop.multiProcessorCount,
 				      .max_threads_per_sm = prop.maxThreadsPerMultiProcessor,
 				      .max_smem_per_block_optin = prop.sharedMemPerBlockOptin,
-				      .cc_major = prop.major, .cc_minor = prop.minor};
+				      .cc_major = prop.major, .cc_minor = prop.minor,
+				      .mem_gbps = nk_cuda_mem_gbps(0)};
 	for (int pass = 0; pass < 2; pass++) {
 		named = pass ? &fused_variant : NULL;
 		run_suite(quick);

@@ -737,8 +737,9 @@ static void device_setup(void)
 	dev.max_smem_per_block_optin = prop.sharedMemPerBlockOptin;
 	dev.cc_major = prop.major;
 	dev.cc_minor = prop.minor;
-	printf("device %d: %s, %d SMs, cc %d.%d\n", ordinal, prop.name, dev.sm_count, dev.cc_major,
-	       dev.cc_minor);
+	dev.mem_gbps = nk_cuda_mem_gbps(ordinal);
+	printf("device %d: %s, %d SMs, cc %d.%d, %d GB/s\n", ordinal, prop.name, dev.sm_count,
+	       dev.cc_major, dev.cc_minor, dev.mem_gbps);
 	workspace_size = (size_t)256 << 20;
 	cuda_ok(cudaMalloc(&workspace, workspace_size), "cudaMalloc workspace");
 	cuda_ok(cudaMalloc((void **)&clamped_dev, sizeof(uint32_t)), "cudaMalloc clamped");

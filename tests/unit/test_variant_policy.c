@@ -72,7 +72,15 @@ static const struct device devices[] = {
       .max_threads_per_sm = 2048,
       .max_smem_per_block_optin = 232448,
       .cc_major = 9,
-      .cc_minor = 0}},
+      .cc_minor = 0,
+      .mem_gbps = 3352}},
+    {"h200",
+     {.sm_count = 132,
+      .max_threads_per_sm = 2048,
+      .max_smem_per_block_optin = 232448,
+      .cc_major = 9,
+      .cc_minor = 0,
+      .mem_gbps = 4915}},
     {"a100",
      {.sm_count = 108,
       .max_threads_per_sm = 2048,
@@ -552,9 +560,9 @@ static long print_record(FILE *out)
 		     "rows=<a>..<b>]: D=<default> C<count>=<candidates>\n");
 	for (size_t d = 0; d < COUNT(devices); d++) {
 		const struct nk_device_info *i = &devices[d].info;
-		fprintf(out, "device %s: %d SMs, %d threads/SM, %zu B shared/block, sm_%d%d\n",
+		fprintf(out, "device %s: %d SMs, %d threads/SM, %zu B shared/block, sm_%d%d, %d GB/s\n",
 			devices[d].name, i->sm_count, i->max_threads_per_sm,
-			i->max_smem_per_block_optin, i->cc_major, i->cc_minor);
+			i->max_smem_per_block_optin, i->cc_major, i->cc_minor, i->mem_gbps);
 	}
 	for (size_t d = 0; d < COUNT(devices); d++) {
 		for (size_t o = 0; o < COUNT(ops); o++)
