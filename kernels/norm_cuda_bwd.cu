@@ -18,6 +18,8 @@
  *
  * The residual add's backward adds ds to dx as dx is stored (bwd_tiled's
  * DS instances); the weight offset is added to gamma wherever it is read.
+ * The common job (see common_job) runs bwd_common instead, the same
+ * computation with the run-time flags it does not need compiled out.
  *
  * Rows wider than a block either run on a cluster of K blocks (sm_90), the
  * row sums exchanged through distributed shared memory, or split
