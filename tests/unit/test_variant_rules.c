@@ -41,6 +41,14 @@ static const struct nk_device_info h100 = {.ordinal = 0,
 					   .max_smem_per_block_optin = 232448,
 					   .cc_major = 9,
 					   .cc_minor = 0};
+/* The H100 with the H200's memory: the rules marked FAST_MEMORY apply. */
+static const struct nk_device_info h200 = {.ordinal = 0,
+					   .sm_count = 132,
+					   .max_threads_per_sm = 2048,
+					   .max_smem_per_block_optin = 232448,
+					   .cc_major = 9,
+					   .cc_minor = 0,
+					   .mem_gbps = 4814};
 static const struct nk_device_info a100 = {.ordinal = 0,
 					   .sm_count = 108,
 					   .max_threads_per_sm = 2048,
@@ -148,7 +156,9 @@ static bool sweep_job(size_t i, struct nk_norm_args *out)
 
 static const char *profile_name(const struct nk_device_info *dev)
 {
-	return dev->cc_major >= 9 ? "sm_90 (H100)" : "sm_80 (A100)";
+	if (dev->cc_major < 9)
+		return "sm_80 (A100)";
+	return dev->mem_gbps >= 4000 ? "sm_90, 4814 GB/s (H200)" : "sm_90 (H100)";
 }
 
 /*
@@ -277,6 +287,13 @@ static void test_sweep_sm90(void **state)
 {
 	(void)state;
 	assert_int_equal(sweep(&h100, check_job), SWEEP_JOBS);
+	assert_no_failures();
+}
+
+static void test_sweep_h200(void **state)
+{
+	(void)state;
+	assert_int_equal(sweep(&h200, check_job), SWEEP_JOBS);
 	assert_no_failures();
 }
 
@@ -507,6 +524,48 @@ static void expect_ds_bwd(enum nk_op op, enum nk_dtype dt, unsigned flags, int64
  * block's stages with ds do not fit (8192: two). sm_80: the tiled kernel
  * (split rows at 8192).
  */
+/* A backward job's default on a device: its family and threads. */
+static void expect_bwd_default(enum nk_op op, enum nk_dtype dtype, unsigned flags, int64_t cols,
+			       const struct nk_device_info *dev, int family,
+			       int threads)
+{
+	struct nk_norm_args a = make_job(op, dtype, dtype, flags, cols, rows_for(cols));
+	struct nk_variant v;
+	char name[128];
+
+	assert_int_equal(nk_cuda_variant_default(&a, dev, &v), NK_OK);
+	nk_variant_name(&v, name, sizeof(name));
+	print_message("%s %s flags %u cols %lld on %s: %s\n", nk_op_name(op), nk_dtype_name(dtype),
+		      flags, (long long)cols, profile_name(dev), name);
+	assert_int_equal(v.family, family);
+	assert_int_equal(v.threads, threads);
+}
+
+/*
+ * The FAST_MEMORY rules (the H200) change these backward defaults and no
+ * H100 default: the same jobs keep the H100's families there.
+ */
+static void test_fast_memory_bwd_defaults(void **state)
+{
+	(void)state;
+	const unsigned me = NK_MEMORY_EFFICIENT;
+	expect_bwd_default(NK_LAYERNORM_BWD, NK_BF16, 0u, 128, &h200, NK_FAMILY_TMA_SLICE, 512);
+	expect_bwd_default(NK_LAYERNORM_BWD, NK_BF16, 0u, 128, &h100, NK_FAMILY_WARP_ROWS, 256);
+	expect_bwd_default(NK_RMSNORM_BWD, NK_F16, me, 128, &h200, NK_FAMILY_TMA_SLICE, 512);
+	expect_bwd_default(NK_RMSNORM_BWD, NK_BF16, 0u, 8192, &h200, NK_FAMILY_BLOCK_ROW, 512);
+	expect_bwd_default(NK_RMSNORM_BWD, NK_BF16, 0u, 8192, &h100, NK_FAMILY_TMA_SLICE, 512);
+	expect_bwd_default(NK_LAYERNORM_BWD, NK_BF16, me, 8192, &h200, NK_FAMILY_TMA_SLICE, 512);
+	expect_bwd_default(NK_LAYERNORM_BWD, NK_BF16, me, 8192, &h100, NK_FAMILY_BLOCK_ROW, 512);
+	expect_bwd_default(NK_LAYERNORM_BWD, NK_F32, 0u, 1024, &h200, NK_FAMILY_BLOCK_ROW, 256);
+	expect_bwd_default(NK_LAYERNORM_BWD, NK_F32, 0u, 1024, &h100, NK_FAMILY_BLOCK_SMEM, 256);
+	expect_bwd_default(NK_LAYERNORM_BWD, NK_F32, 0u, 2048, &h200, NK_FAMILY_BLOCK_SMEM, 256);
+	expect_bwd_default(NK_RMSNORM_BWD, NK_F32, me, 2048, &h200, NK_FAMILY_BLOCK_ROW, 256);
+	expect_bwd_default(NK_RMSNORM_BWD, NK_F32, 0u, 4096, &h200, NK_FAMILY_TMA_SLICE, 256);
+	expect_bwd_default(NK_RMSNORM_BWD, NK_F32, 0u, 4096, &h100, NK_FAMILY_BLOCK_SMEM, 512);
+	/* Widths the FAST_MEMORY rules leave keep the H100's shapes. */
+	expect_bwd_default(NK_LAYERNORM_BWD, NK_BF16, 0u, 1024, &h200, NK_FAMILY_BLOCK_ROW, 256);
+}
+
 static void test_ds_bwd_defaults(void **state)
 {
 	(void)state;
@@ -532,6 +591,8 @@ int main(void)
 	    cmocka_unit_test(test_corrupt_tma_slice_refused),
 	    cmocka_unit_test(test_fwd_defaults),
 	    cmocka_unit_test(test_ds_bwd_defaults),
+	    cmocka_unit_test(test_fast_memory_bwd_defaults),
+	    cmocka_unit_test(test_sweep_h200),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }
