@@ -566,6 +566,21 @@ static void test_fast_memory_bwd_defaults(void **state)
 	expect_bwd_default(NK_LAYERNORM_BWD, NK_BF16, 0u, 1024, &h200, NK_FAMILY_BLOCK_ROW, 256);
 }
 
+/* fp32 RMSNorm forward of 512-4096 columns on the H200: eight vectors a thread. */
+static void test_fast_memory_fwd_defaults(void **state)
+{
+	(void)state;
+	static const int64_t cols[] = {512, 1024, 2048, 4096};
+	for (size_t i = 0; i < 2 * COUNT(cols); i++) {
+		const struct nk_device_info *dev = i % 2 ? &h100 : &h200;
+		struct nk_norm_args a = make_job(NK_RMSNORM_FWD, NK_F32, NK_F32, 0u,
+						 cols[i / 2], rows_for(cols[i / 2]));
+		struct nk_variant v;
+		assert_int_equal(nk_cuda_variant_default(&a, dev, &v), NK_OK);
+		assert_int_equal(v.param & 0xff, i % 2 ? 2 : 8); /* vectors a thread */
+	}
+}
+
 static void test_ds_bwd_defaults(void **state)
 {
 	(void)state;
@@ -592,6 +607,7 @@ int main(void)
 	    cmocka_unit_test(test_fwd_defaults),
 	    cmocka_unit_test(test_ds_bwd_defaults),
 	    cmocka_unit_test(test_fast_memory_bwd_defaults),
+	    cmocka_unit_test(test_fast_memory_fwd_defaults),
 	    cmocka_unit_test(test_sweep_h200),
 	};
 	return cmocka_run_group_tests(tests, NULL, NULL);
