@@ -373,8 +373,9 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
  * dgamma wanted, and either standard (x) with gamma and no weight offset,
  * or memory-efficient RMSNorm (y) with the weights staged as bwd_tiled
  * stages them (ME): what a training step runs. (Memory-efficient
- * LayerNorm reads a third staged weight, beta, every vector, and ran
- * slower this way at 128-512 and 8192 columns: it stays on bwd_tiled.) bwd_tiled serves every job with run-time flags and
+ * LayerNorm, which reads a third staged weight every vector, did not gain
+ * at every width here and stays on bwd_tiled.) bwd_tiled serves every job
+ * with run-time flags and
  * pays for them in every element (defaults for absent weights, the offset,
  * the memory-efficient branch, the cluster exchange, the copies of the
  * prefetched row); here LayerNorm or RMSNorm is known at compile time, and
@@ -540,14 +541,18 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_common(const Params p)
 	write_partials<NV, E / NV>(p, first * p.R + g, vi, ag, ab);
 }
 
-/* Whether bwd_common runs a tiled job (its comment). */
+/*
+ * Whether bwd_common runs a tiled job: one block a row, dgamma wanted, and
+ * gamma without an offset (standard) or RMSNorm (memory-efficient, whose
+ * staged weights carry the offset); bwd_tiled runs the rest.
+ */
 static bool common_job(const Params &p, const Shape &s)
 {
 	const bool weights = (p.f & F_MEMEFF) ? !(p.f & F_LN) : (p.f & F_GAMMA) && p.offset == 0.0f;
 	return (p.f & F_DGAMMA) && !(p.f & F_PRESUMS) && weights && s.K == 1 && !s.split;
 }
 
-/* Launches bwd_common<T, W, NV, DS, LN, ME> with the job's DS, LN and ME. */
+/* Launches bwd_common<T, W, NV, DS, LN, ME> with the job's DS, LN and ME (ME: RMSNorm only). */
 template <typename T, typename W, int NV>
 cudaError_t launch_common(const Params &p, const struct nk_device_info *dev, int64_t grid,
 			  int threads, cudaStream_t stream)
@@ -560,12 +565,7 @@ cudaError_t launch_common(const Params &p, const struct nk_device_info *dev, int
 					      : bwd_common<T, W, NV, false, false, false>),
 				     grid, threads, 1, stream, p);
 	const size_t smem = staged_weight_bytes<T>(NV, p.G);
-	if (ds)
-		return ln ? launch_with_smem<bwd_common<T, W, NV, true, true, true>>(
-				dev, grid, threads, 1, stream, p, smem)
-			  : launch_with_smem<bwd_common<T, W, NV, true, false, true>>(
-				dev, grid, threads, 1, stream, p, smem);
-	return ln ? launch_with_smem<bwd_common<T, W, NV, false, true, true>>(dev, grid, threads, 1,
+	return ds ? launch_with_smem<bwd_common<T, W, NV, true, false, true>>(dev, grid, threads, 1,
 									     stream, p, smem)
 		  : launch_with_smem<bwd_common<T, W, NV, false, false, true>>(dev, grid, threads, 1,
 									      stream, p, smem);

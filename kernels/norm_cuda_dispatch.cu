@@ -307,8 +307,10 @@ int nk_cuda_mem_gbps(int ordinal)
 {
 	int khz = 0, bits = 0;
 	if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, ordinal) != cudaSuccess ||
-	    cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, ordinal) != cudaSuccess)
+	    cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, ordinal) != cudaSuccess) {
+		(void)cudaGetLastError(); /* not the next launch's error */
 		return 0;
+	}
 	return (int)(2.0 * khz * 1e3 * (bits / 8) / 1e9); /* double data rate */
 }
 

@@ -70,13 +70,14 @@ enum { PLAIN = 0, FP8_OUT = NK_FEATURE_FP8_OUTPUT, VARIANTS = NK_FEATURES_ALL };
 #define WIDEST INT64_MAX
 
 /*
- * A rule's `sm` beyond the compute capabilities: sm_90 with at least
- * FAST_MEMORY_GBPS of DRAM bandwidth (the H200's HBM3e, 1.41x the H100's
- * copy bandwidth), where kernels that held the H100's bandwidth run short
- * of instructions or bytes in flight and other shapes win.
+ * A rule's `sm` beyond the compute capabilities: sm_90 (exactly) with at
+ * least FAST_MEMORY_GBPS of DRAM bandwidth, the HBM3e parts such as the
+ * H200, where kernels that kept up with the H100's memory run short of
+ * instructions or bytes in flight and other shapes win. The threshold
+ * leaves out the HBM3 parts (H100 SXM and NVL, the 96 GB GH200).
  */
 enum { FAST_MEMORY = 100 };
-#define FAST_MEMORY_GBPS 4000
+#define FAST_MEMORY_GBPS 4500
 
 /* One rule: when it applies, and the shape it asks for. */
 struct rule {
@@ -145,7 +146,7 @@ static const struct rule rules[] = {
     {FWD,     X32,   EITHER,   PLAIN,    0,  1,     WIDEST, TILED(MOST, 256),
      "wider fp32 rows on one block hold the most a thread can, and keep enough bytes in flight "
      "that staging them does not pay (tiled forward: fp32)"},
-    /* Backward on GPUs of FAST_MEMORY (the H200); measured there, the H100 keeps the rules below. */
+    /* Backward on GPUs of FAST_MEMORY (the H200); the H100 keeps the rules below. */
     {BWD,     X16,   EITHER,   PLAIN,    FAST_MEMORY, 1, 128, TMA(1),
      "tma_slice rows on a warp's lanes beat the tiled rows "
      "(tiled backward: the common job, on the H200)"},
@@ -256,7 +257,7 @@ static bool rule_applies(const struct rule *r, const struct nk_norm_args *a,
 	if ((r->memeff == STANDARD && memeff) || (r->memeff == MEMEFF && !memeff))
 		return false;
 	const bool device = r->min_sm == FAST_MEMORY
-				? dev->cc_major >= 9 && dev->mem_gbps >= FAST_MEMORY_GBPS
+				? dev->cc_major == 9 && dev->mem_gbps >= FAST_MEMORY_GBPS
 				: dev->cc_major >= r->min_sm;
 	return device && a->cols >= r->min_cols && a->cols <= r->max_cols;
 }
