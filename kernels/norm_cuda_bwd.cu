@@ -375,12 +375,11 @@ __global__ void BWD_LAUNCH_BOUNDS bwd_tiled(const Params p)
  * stages them (ME): what a training step runs. (Memory-efficient
  * LayerNorm, which reads a third staged weight every vector, did not gain
  * at every width here and stays on bwd_tiled.) bwd_tiled serves every job
- * with run-time flags and
- * pays for them in every element (defaults for absent weights, the offset,
- * the memory-efficient branch, the cluster exchange, the copies of the
- * prefetched row); here LayerNorm or RMSNorm is known at compile time, and
- * the row loop is unrolled by two over two row buffers, the reduction's
- * parity with it. The partial rows are bwd_tiled's, summed in the same
+ * with run-time flags and pays for them in every element (defaults for
+ * absent weights, the offset, the memory-efficient branch, the cluster
+ * exchange, the copies of the prefetched row); here LayerNorm or RMSNorm
+ * is known at compile time, and the row loop is unrolled by two over two
+ * row buffers, the reduction's parity with it. The partial rows are bwd_tiled's, summed in the same
  * order, so dgamma and dbeta keep their bits.
  */
 template <typename T, int NV, bool DS> struct CommonRow {
@@ -399,14 +398,14 @@ __device__ __forceinline__ void load_common_row(const Params &p, int64_t it, int
 	load_row<T, NV>(p, row, r.valid, vi, r.x, r.dy);
 	if constexpr (CommonRow<T, NV, DS>::DS_AHEAD)
 		load_ds<T, NV>(p, row, r.valid, vi, r.ds);
-	r.mean = LN && !ME && r.valid ? p.mean[row] : 0.0f;
+	r.mean = LN && r.valid ? p.mean[row] : 0.0f;
 	r.rstd = r.valid ? p.rstd[row] : 0.0f;
 }
 
 /*
  * x_hat and gamma of vector j: standard from x, the row's mean and rstd;
- * memory-efficient from y and the staged gamma, beta and rg (its absent
- * vectors hold 1, 0, 0). Vectors past the row end hold zeros (dy = 0) and
+ * memory-efficient (RMSNorm) from y and the staged gamma and rg (its absent
+ * vectors hold 1 and 0). Vectors past the row end hold zeros (dy = 0) and
  * read vector 0's weights.
  */
 template <typename T, typename W, int NV, bool LN, bool ME>
@@ -417,13 +416,12 @@ __device__ __forceinline__ void common_terms(const Params &p, const W *gamma, co
 	constexpr int VEC = 16 / sizeof(T);
 	if constexpr (ME) {
 		const Staged sw = {staged, vi[j], NV * p.G}; /* K = 1: slot j * G + t is vi[j] */
-		float bt[VEC], rg[VEC];
+		float rg[VEC];
 		read_staged<VEC>(sw, 0, gm);
-		read_staged<VEC>(sw, 1, bt);
 		read_staged<VEC>(sw, 2, rg);
 #pragma unroll
 		for (int i = 0; i < VEC; i++)
-			xh[i] = (LN ? x[i] - bt[i] : x[i]) * rg[i];
+			xh[i] = x[i] * rg[i];
 	} else {
 		load_weights<VEC>(gamma + (vi[j] < p.nvec ? vi[j] : 0) * VEC, gm);
 #pragma unroll
@@ -510,6 +508,7 @@ __device__ __forceinline__ void common_row(const Params &p, int64_t it, int g, c
 template <typename T, typename W, int NV, bool DS, bool LN, bool ME>
 __global__ void BWD_LAUNCH_BOUNDS bwd_common(const Params p)
 {
+	static_assert(!(LN && ME), "memory-efficient LayerNorm runs bwd_tiled (common_job)");
 	constexpr int E = NV * 16 / sizeof(T);
 	__shared__ RedSmem sm;
 	extern __shared__ float4 staged[]; /* ME: the weights, see Staged */
@@ -552,7 +551,7 @@ static bool common_job(const Params &p, const Shape &s)
 	return (p.f & F_DGAMMA) && !(p.f & F_PRESUMS) && weights && s.K == 1 && !s.split;
 }
 
-/* Launches bwd_common<T, W, NV, DS, LN, ME> with the job's DS, LN and ME (ME: RMSNorm only). */
+/* Launches bwd_common<T, W, NV, DS, LN, ME> with the job's DS, LN and ME. */
 template <typename T, typename W, int NV>
 cudaError_t launch_common(const Params &p, const struct nk_device_info *dev, int64_t grid,
 			  int threads, cudaStream_t stream)

@@ -97,7 +97,6 @@ struct rule {
 #define MOST NK__MOST_NV
 #define TILED(nv, threads)                  {NK__TILED, (nv), (threads), 1, false, 0}
 #define TILED_WAVES(nv, threads, w)         {NK__TILED, (nv), (threads), 1, false, (w)}
-#define TILED_CLUSTER(nv, threads)          {NK__TILED_CLUSTER, (nv), (threads), 0, false, 0}
 #define TILED_CLUSTER_WAVES(nv, threads, w) {NK__TILED_CLUSTER, (nv), (threads), 0, false, (w)}
 #define TILED_SPLIT(nv, threads)            {NK__TILED_SPLIT, (nv), (threads), 0, false, 0}
 #define SMEM(nv)                            {NK__SMEM, (nv), 0, 1, false, 0}
@@ -135,8 +134,8 @@ static const struct rule rules[] = {
      "unevenly there where the staged row did not (block_smem forward: 16-bit, past 8192 columns)"},
     /* Forward, fp32. */
     {RMS_FWD, X32,   EITHER,   PLAIN,    FAST_MEMORY, 512, 4096, TILED(8, 256),
-     "on the H200 eight vectors a thread beat two by 9-19 points "
-     "(tiled forward: fp32, on the H200)"},
+     "eight vectors a thread keep more bytes in flight than two, which the H200's memory "
+     "needs (tiled forward: fp32)"},
     {RMS_FWD, X32,   EITHER,   PLAIN,    0,  1,     4096,  TILED(2, 256),
      "two vectors a thread ran fastest for fp32 RMSNorm rows up to 1024 vectors "
      "(tiled forward: fp32)"},
