@@ -667,8 +667,9 @@ static int fp8_rank(uint8_t code)
  * An FP8 y against the reference's codes: both NaN together; no code more
  * than one step from the reference's (fp32 and fp64 round alike except
  * where y * scale lies within fp32's error of a midpoint, where they may
- * pick neighbours), such neighbours in at most 1 element in 1000 (and 2),
- * and the decoded values within 1e-2 relative L2.
+ * pick neighbours), such neighbours in at most 1 element in 1000 (and 2).
+ * The codes bound the error; the relative L2 is reported, not judged: one
+ * e5m2 neighbour (a step of up to 25%) in a few hundred elements is 1%.
  */
 static void compare_fp8(const struct jobkit *kit, const void *ref, struct jobkit_report *report)
 {
@@ -700,8 +701,7 @@ static void compare_fp8(const struct jobkit *kit, const void *ref, struct jobkit
 	report->max_abs_err = fmax(report->max_abs_err, max_abs);
 	report->max_rel_err = fmax(report->max_rel_err, max_ref > 0 ? max_abs / max_ref : max_abs);
 	report->rel_l2_err = fmax(report->rel_l2_err, rel_l2);
-	report->tolerance = fmax(report->tolerance, 1e-2);
-	if ((neighbours > 2 && neighbours * 1000 > n) || !(rel_l2 < 1e-2)) {
+	if (neighbours > 2 && neighbours * 1000 > n) {
 		if (report->ok)
 			snprintf(report->detail, sizeof(report->detail),
 				 "y: %zu of %zu %s codes one step off, relative L2 %.3g", neighbours,

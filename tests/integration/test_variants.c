@@ -92,6 +92,47 @@ static void test_every_variant_matches_reference(void **state)
 	assert_int_equal(failures, 0);
 }
 
+/*
+ * The FP8 check's own rule, on a real e5m2 job of 7 x 79 (the shape of CI's
+ * chaos-run mismatch): one code a step off passes (fp32 and fp64 may round
+ * a near-midpoint value to neighbours), though it alone is 1% relative L2;
+ * three such codes in 553, or one code two steps off, fail.
+ */
+static void test_fp8_check_judges_codes(void **state)
+{
+	(void)state;
+	nc_conn *conn = connect_or_fail();
+	struct jobkit_spec spec = {.op = NC_RMSNORM_FWD, .rows = 7, .cols = 79, .dtype = NC_F16,
+				   .gamma = true, .y_dtype = NC_F8E5M2, .seed = 12};
+	struct jobkit kit;
+	struct nc_job_result result = {0};
+	struct jobkit_report report = {0};
+	assert_int_equal(jobkit_create(conn, &spec, &kit), 0);
+	assert_int_equal(nc_job_run_ext(conn, &kit.job, &kit.ext, TIMEOUT_MS, &result), NC_OK);
+	assert_true(jobkit_check(&kit, &report));
+	/* Finite codes, positive or negative, whose next two magnitudes are finite too. */
+	uint8_t *y = kit.ptr[JK_Y];
+	size_t steppable[3], found = 0;
+	for (size_t i = 0; i < kit.bytes[JK_Y] && found < 3; i++)
+		if ((y[i] & 0x7f) > 0 && (y[i] & 0x7f) < 0x7a)
+			steppable[found++] = i;
+	assert_int_equal(found, 3);
+	y[steppable[0]]++;
+	memset(&report, 0, sizeof(report));
+	assert_true(jobkit_check(&kit, &report));
+	y[steppable[1]]++;
+	y[steppable[2]]++;
+	memset(&report, 0, sizeof(report));
+	assert_false(jobkit_check(&kit, &report));
+	y[steppable[1]]--;
+	y[steppable[2]]--;
+	y[steppable[0]]++;
+	memset(&report, 0, sizeof(report));
+	assert_false(jobkit_check(&kit, &report));
+	jobkit_destroy(&kit);
+	nc_close(conn);
+}
+
 /* The daemon says what it runs: the CPU backend, every variant. */
 static void test_hello_lists_features(void **state)
 {
@@ -607,6 +648,7 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 	    cmocka_unit_test(test_every_variant_matches_reference),
+	    cmocka_unit_test(test_fp8_check_judges_codes),
 	    cmocka_unit_test(test_hello_lists_features),
 	    cmocka_unit_test(test_in_place_forms_allowed),
 	    cmocka_unit_test(test_forbidden_aliases_refused),
