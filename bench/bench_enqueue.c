@@ -4,7 +4,10 @@
  * kernel in-process, on a tiny RMSNorm forward job (8 x 1024 bf16, gamma):
  *   1. host cost per call: each nc_job_enqueue timed with clock_gettime
  *      (the stream synchronized every 256 calls, outside the timing); the
- *      synchronous mode's whole call for comparison;
+ *      same calls each followed by --gap-us of host work that sweeps 16 MiB
+ *      (a training step's pattern: the caches cold, the daemon idle for a
+ *      while between two jobs); the synchronous mode's whole call for
+ *      comparison;
  *   2. a dependent chain (x of each job is y of the previous one): GPU time
  *      per job from CUDA events on the caller's stream, with the chain's
  *      segments held behind a gate until every job of the segment is queued
@@ -36,12 +39,13 @@
  *
  * Usage: bench_enqueue [--socket PATH] [--device N] [--json FILE|-] [--calls N]
  *                      [--chain N] [--seconds S] [--procs 1,4,16] [--no-sync]
- *                      [--no-rate] [-- normd options...]
+ *                      [--gap-us US] [--no-rate] [-- normd options...]
  *   --socket PATH  use the normd at PATH (e.g. one started under MPS) instead
  *                  of starting `normd --device N` (from $NORMD_BIN, else the
  *                  bin/normd beside this program's bench/ directory)
  *   --device N     the GPU the caller's memory and streams are on (0); a
  *                  daemon at --socket must serve it
+ *   --gap-us US    host work between two timed calls of part 1's second row (400)
  *   --no-rate      skip part 3 (the aggregate rate)
  *   --json FILE    also write the results as one JSON object ('-': stdout)
  */
@@ -75,6 +79,7 @@ struct options {
 	const char *socket;
 	const char *json;
 	int calls;                /* host-cost calls per mode */
+	int gap_us;               /* host work between the gapped host-cost calls */
 	int chain;                /* dependent jobs */
 	double seconds;           /* per aggregate-rate run */
 	int procs[MAX_PROCS];     /* process counts of the aggregate rate */
@@ -90,7 +95,7 @@ struct summary {
 };
 
 struct host_cost {
-	struct summary enqueue, sync;
+	struct summary enqueue, enqueue_gapped, sync;
 	bool daemon_mps, client_mps;
 	char variant[64];
 };
@@ -461,6 +466,58 @@ static int time_enqueue_calls(struct tiny *t, int calls, double *samples)
 	return drain(t, "host cost");
 }
 
+/*
+ * Host work of `us` microseconds that reads a 16 MiB buffer in a stride no
+ * prefetcher follows, as a step's other ops leave the caches; returns what
+ * it read so that the reads stay.
+ */
+static unsigned host_work(const unsigned char *junk, size_t size, size_t *pos, int us)
+{
+	unsigned sum = 0;
+	double end = now_us() + us;
+	while (now_us() < end)
+		for (int k = 0; k < 1024; k++) {
+			sum += junk[*pos];
+			*pos = (*pos + 4099) % size;
+		}
+	return sum;
+}
+
+/* nc_job_enqueue calls a gap of host work apart, the stream synchronized every 64 (untimed). */
+static int time_gapped_calls(struct tiny *t, int calls, int gap_us, double *samples)
+{
+	const size_t size = 16u << 20;
+	unsigned char *junk = malloc(size);
+	if (!junk)
+		return 1;
+	memset(junk, 1, size);
+	size_t pos = 0;
+	unsigned sum = 0;
+	for (int i = -200; i < calls; i++) {
+		if (i % 64 == 0) {
+			cudaError_t err = cudaStreamSynchronize(t->stream);
+			if (err != cudaSuccess) {
+				free(junk);
+				return sync_failed("gapped host cost", err);
+			}
+		}
+		double t0 = now_us();
+		int rc = nc_job_enqueue(t->conn, &t->job[0], t->stream);
+		double t1 = now_us();
+		if (rc != NC_OK) {
+			free(junk);
+			return enqueue_failed("nc_job_enqueue", rc);
+		}
+		if (i >= 0)
+			samples[i] = t1 - t0;
+		sum += host_work(junk, size, &pos, gap_us);
+	}
+	free(junk);
+	if (sum == 0)
+		fprintf(stderr, "bench_enqueue: the host work read nothing\n");
+	return drain(t, "gapped host cost");
+}
+
 static int time_sync_calls(struct tiny *t, int calls, double *samples, char *variant)
 {
 	struct nc_job_result r;
@@ -497,6 +554,13 @@ static int host_cost_child(const struct options *o, void *out)
 	if (time_enqueue_calls(&t, o->calls, samples) != 0)
 		return 1;
 	h->enqueue = summarize(samples, o->calls);
+	int gapped = o->calls < 5000 ? o->calls : 5000;
+	step(true, budget_s(2L * (gapped + 200) * (1 + o->gap_us / 100)),
+	     "host cost: 200 + %d nc_job_enqueue calls %d us of host work apart", gapped,
+	     o->gap_us);
+	if (time_gapped_calls(&t, gapped, o->gap_us, samples) != 0)
+		return 1;
+	h->enqueue_gapped = summarize(samples, gapped);
 	if (o->sync) {
 		step(true, budget_s(2L * (o->calls + 500)),
 		     "host cost: 500 + %d nc_job_run_on_stream calls", o->calls);
@@ -977,6 +1041,10 @@ static void print_host_cost(const struct options *o, const struct host_cost *h, 
 	printf("%-40s %9s %9s %9s %9s\n", "call", "p50_us", "p99_us", "mean_us", "max_us");
 	printf("%-40s %9.2f %9.2f %9.2f %9.1f\n", "nc_job_enqueue", h->enqueue.p50, h->enqueue.p99,
 	       h->enqueue.mean, h->enqueue.max);
+	char gapped[64];
+	snprintf(gapped, sizeof(gapped), "nc_job_enqueue, %d us of host work apart", o->gap_us);
+	printf("%-40s %9.2f %9.2f %9.2f %9.1f\n", gapped, h->enqueue_gapped.p50,
+	       h->enqueue_gapped.p99, h->enqueue_gapped.mean, h->enqueue_gapped.max);
 	if (o->sync)
 		printf("%-40s %9.2f %9.2f %9.2f %9.1f\n", "nc_job_run_on_stream (whole job)",
 		       h->sync.p50, h->sync.p99, h->sync.mean, h->sync.max);
@@ -1072,6 +1140,8 @@ static void write_json(const struct options *o, const struct host_cost *h, bool 
 		fprintf(f, "\"daemon_mps\": null, \"client_mps\": null,\n \"host_cost\": null");
 	if (h_ok) {
 		json_summary(f, "enqueue", &h->enqueue);
+		fprintf(f, ", \"gap_us\": %d, ", o->gap_us);
+		json_summary(f, "enqueue_gapped", &h->enqueue_gapped);
 		if (o->sync) {
 			fprintf(f, ", ");
 			json_summary(f, "sync", &h->sync);
@@ -1121,7 +1191,7 @@ static int usage(void)
 {
 	fprintf(stderr, "usage: bench_enqueue [--socket PATH] [--device N] [--json FILE|-] "
 			"[--calls N] [--chain N] [--seconds S] [--procs 1,4,16] [--no-sync] "
-			"[--no-rate] [-- normd options...]\n");
+			"[--gap-us US] [--no-rate] [-- normd options...]\n");
 	return 2;
 }
 
@@ -1152,7 +1222,7 @@ static int parse_device(const char *v)
 
 static int parse(struct options *o, int argc, char **argv)
 {
-	*o = (struct options){.calls = 20000, .chain = 2000, .seconds = 2.0, .sync = true,
+	*o = (struct options){.calls = 20000, .gap_us = 400, .chain = 2000, .seconds = 2.0, .sync = true,
 			      .rate = true, .procs = {1, 4, 16}, .nprocs = 3};
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1177,6 +1247,8 @@ static int parse(struct options *o, int argc, char **argv)
 			o->json = v;
 		else if (strcmp(a, "--calls") == 0)
 			o->calls = atoi(v);
+		else if (strcmp(a, "--gap-us") == 0)
+			o->gap_us = atoi(v);
 		else if (strcmp(a, "--chain") == 0)
 			o->chain = atoi(v);
 		else if (strcmp(a, "--seconds") == 0)
@@ -1186,7 +1258,8 @@ static int parse(struct options *o, int argc, char **argv)
 		else if (strcmp(a, "--procs") != 0 || parse_procs(o, v) != 0)
 			return -1;
 	}
-	return o->device >= 0 && o->calls >= 100 && o->calls <= 10000000 && o->chain >= 1 &&
+	return o->device >= 0 && o->calls >= 100 && o->calls <= 10000000 && o->gap_us >= 0 &&
+			       o->gap_us <= 100000 && o->chain >= 1 &&
 			       o->chain <= 10000000 && o->seconds > 0 && o->seconds <= 600
 		       ? 0
 		       : -1;

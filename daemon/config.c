@@ -69,6 +69,9 @@ static const struct config_entry config_table[] = {
 	UINT(busy_poll_us, "200", 0, 100000,
 	     "CUDA: workers spin this long for new jobs, and the loop polls for completions "
 	     "while jobs run, instead of sleeping (0: always sleep)"),
+	UINT(loop_spin_us, "1000", 0, 1000000,
+	     "CUDA: the loop polls its sockets without sleeping for this long after the last job "
+	     "arrived, so that a client's next request needs no wake-up (0: only while jobs run)"),
 	UINT(enqueue_spin_us, "200", 0, 1000000,
 	     "CUDA: a launcher whose jobs wait for their callers' GPUs watches their ready words "
 	     "without sleeping for this long after its last launch or new job, then every 20 us"),

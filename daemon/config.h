@@ -37,6 +37,7 @@ struct config {
 	bool autotune;           /* CUDA: time candidate variants on first use */
 	uint64_t cuda_workers;   /* CUDA: worker threads (streams) per device */
 	uint64_t busy_poll_us;   /* CUDA: spin before sleeping (latency for CPU time) */
+	uint64_t loop_spin_us;   /* CUDA: the loop polls this long after the last job arrived */
 	uint64_t enqueue_spin_us; /* CUDA: launchers watch waiting jobs without sleeping this long */
 	uint64_t enqueue_threads; /* CUDA: launcher threads of the enqueue mode per device */
 	char *config_file;       /* the file that was read (NULL: none); not a setting */

@@ -210,17 +210,20 @@ static void server_on_listen(uv_poll_t *handle, int status, int events)
 /* ---- the loop's housekeeping ------------------------------------------------------- */
 
 /*
- * While jobs run on a backend that asks for it, and for busy_poll_us after
- * the last one started, the loop does not sleep: each iteration drains the
+ * While jobs run on a backend that asks for it, and for loop_spin_us after
+ * the last one arrived, the loop does not sleep: each iteration drains the
  * completion queue and polls the sockets without blocking, so a finished job
  * is answered, and a client's next request read, without a wake-up (tens of
- * microseconds on a VM). Costs one core while the daemon is busy.
+ * microseconds on a VM). A client's send that wakes a sleeping loop pays for
+ * the wake-up itself, several times the send's own cost: a training step's
+ * jobs come a few hundred microseconds apart. Costs one core while clients
+ * send jobs.
  */
 static void server_poll_completions(uv_idle_t *handle)
 {
 	struct server *srv = handle->data;
 	job_drain_completions(&srv->completion_async);
-	uint64_t linger_ns = srv->cfg->busy_poll_us * 1000;
+	uint64_t linger_ns = srv->cfg->loop_spin_us * 1000;
 	if (srv->jobs_in_flight == 0 && stats_now_ns() - srv->last_job_ns > linger_ns) {
 		/* From here workers wake the loop again; take what came meanwhile. */
 		atomic_store(&srv->loop_polling, false);
