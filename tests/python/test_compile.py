@@ -43,7 +43,7 @@ import normd  # noqa: E402
 import torch_checks as checks  # noqa: E402
 from conftest import normd_bin  # noqa: E402
 from normd import normalization as N  # noqa: E402
-from normd.normalization import custom_ops  # noqa: E402
+from normd.normalization import compile_fusion, custom_ops  # noqa: E402
 from normd_daemon import Daemon  # noqa: E402
 
 if not custom_ops.AVAILABLE:
@@ -317,6 +317,113 @@ def test_compile_inductor_cpu(staged):
     ref, ours = make_models("cpu", torch.float32)
     compiled = torch.compile(ours, fullgraph=True)
     run_steps(staged, compiled, ref, "cpu", torch.float32, (4, 7), "inductor", mark_dynamic=True)
+
+
+needs_cxx = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
+                               reason="Inductor on CPU needs a C++ compiler")
+
+
+class PreNorm(nn.Module):
+    """Pre-norm blocks (x = x + f(norm(x)), twice a block), then a final LayerNorm.
+
+    Four of its five norms read a residual add, and four of the five norm
+    backwards' dx meet the gradient of the residual stream in an add."""
+
+    def __init__(self, layer_norm, rms_norm, blocks=2):
+        super().__init__()
+        self.norm1 = nn.ModuleList(layer_norm(DIM) for _ in range(blocks))
+        self.proj1 = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(blocks))
+        self.norm2 = nn.ModuleList(rms_norm(DIM) for _ in range(blocks))
+        self.proj2 = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(blocks))
+        self.final = layer_norm(DIM)
+
+    def forward(self, x):
+        for norm1, proj1, norm2, proj2 in zip(self.norm1, self.proj1, self.norm2, self.proj2):
+            x = x + proj1(norm1(x))
+            x = x + proj2(norm2(x))
+        return self.final(x)
+
+
+def pre_norm_models(dtype, memory_efficient=False):
+    torch.manual_seed(6)
+    ref = PreNorm(lambda d: nn.LayerNorm(d, eps=EPS), lambda d: nn.RMSNorm(d, eps=EPS))
+    ours = PreNorm(lambda d: N.FusedLayerNorm(d, eps=EPS, memory_efficient=memory_efficient),
+                   lambda d: N.FusedRMSNorm(d, eps=EPS, memory_efficient=memory_efficient))
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    ours.load_state_dict(ref.state_dict())
+    return ref.to(dtype), ours.to(dtype)
+
+
+def fused_steps(client, compiled, ref, dtype, batches, jobs_a_step):
+    gen = torch.Generator().manual_seed(12)
+    for batch in batches:
+        x = (torch.randn(batch, 6, DIM, generator=gen) + 0.2).to(dtype)
+        grad = torch.randn(batch, 6, DIM, generator=gen).to(dtype)
+        before = jobs_ok(client)
+        got = train_step(compiled, x, grad, mark_dynamic=True)
+        assert jobs_ok(client) == before + jobs_a_step, batch
+        expect_same_step("batch %d" % batch, got, train_step(ref, x, grad), dtype)
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["x", "memeff"])
+def test_inductor_fuses_residual_adds_cpu(staged, dtype, memory_efficient):
+    """Inductor's post-grad pass moves the residual adds into the norm jobs (compile_fusion):
+    four forward adds and four backward adds of the model, the same jobs, the same results."""
+    ref, ours = pre_norm_models(dtype, memory_efficient)
+    before = dict(compile_fusion.stats)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        compiled = torch.compile(ours, fullgraph=True)
+        fused_steps(staged, compiled, ref, dtype, (4, 7, 3), 10)
+    assert compile_fusion.stats["forward"] - before["forward"] == 4, compile_fusion.stats
+    assert compile_fusion.stats["backward"] - before["backward"] == 4, compile_fusion.stats
+    assert unique_graphs() == 1
+
+
+@needs_cxx
+def test_inductor_leaves_other_adds_cpu(staged):
+    """Adds that are not a same-shape residual stay Inductor's: broadcasts."""
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shift = nn.Parameter(torch.randn(DIM))
+            self.norm1 = N.FusedLayerNorm(DIM, eps=EPS)
+            self.norm2 = N.FusedRMSNorm(DIM, eps=EPS)
+
+        def forward(self, x):
+            h = self.norm1(x + self.shift)  # a row broadcast: not a residual
+            return self.norm2(h + x.mean(-1, keepdim=True))  # a column broadcast
+
+    class OddRef(Odd):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.LayerNorm(DIM, eps=EPS)
+            self.norm2 = nn.RMSNorm(DIM, eps=EPS)
+
+    torch.manual_seed(7)
+    ref = OddRef()
+    ours = Odd()
+    ours.load_state_dict(ref.state_dict())
+    before = dict(compile_fusion.stats)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        compiled = torch.compile(ours, fullgraph=True)
+        fused_steps(staged, compiled, ref, torch.float32, (4,), 4)
+    assert compile_fusion.stats["forward"] == before["forward"], compile_fusion.stats
+
+
+@needs_cxx
+def test_inductor_fusion_can_be_turned_off_cpu(staged, monkeypatch):
+    monkeypatch.setenv("NORMD_COMPILE_FUSION", "0")
+    ref, ours = pre_norm_models(torch.float32)
+    before = dict(compile_fusion.stats)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        compiled = torch.compile(ours, fullgraph=True)
+        fused_steps(staged, compiled, ref, torch.float32, (4,), 10)
+    assert compile_fusion.stats == before
 
 
 @pytest.mark.parametrize("how", ["mark_dynamic", "dynamic=True"])
