@@ -81,6 +81,7 @@ class _Conn:
         self.regions = {}    # region id -> HostRegion, registered and not yet freed
         self.abandoned = []  # tensors of jobs that timed out (the daemon may still use them)
         self.eager_bound = False  # the compiled eager operator knows this handle (normd.eager)
+        self.norm_features = None  # the daemon's FEATURE_* bits, once asked (normalization)
 
     def checked_handle(self):
         """The library's handle; NormdError if closed or used by a forked child."""

@@ -455,13 +455,54 @@ def variant_norm(rms, input, residual, weight, bias, normalized_shape, eps, weig
     """One call of a variant module or function: (y, s), s None without residual."""
     # With autocast off, the block below would change nothing: eager calls skip it.
     compiling = _is_compiling is not None and _is_compiling()
-    if input.is_cuda and (compiling or (_any_autocast() and _autocast_enabled())):
+    autocast = _any_autocast() and _autocast_enabled()
+    if input.is_cuda and not compiling and not autocast:
+        out = _eager_straight(rms, input, residual, weight, bias, normalized_shape, eps,
+                              weight_offset, memory_efficient, client)
+        if out is not None:
+            return out
+    if input.is_cuda and (compiling or autocast):
         input, residual, weight, bias = _autocast_cast(input, residual, weight, bias)
         with torch.autocast("cuda", enabled=False):
             return _variant_norm(rms, input, residual, weight, bias, normalized_shape, eps,
                                  weight_offset, memory_efficient, client)
     return _variant_norm(rms, input, residual, weight, bias, normalized_shape, eps,
                          weight_offset, memory_efficient, client)
+
+
+def _conn_features(client):
+    """The daemon's FEATURE_* bits, asked once a connection (a daemon's features do not change
+    while it serves one)."""
+    conn = client._conn
+    features = conn.norm_features
+    if features is None:
+        features = conn.norm_features = client.norm_features
+    return features
+
+
+def _eager_straight(rms, input, residual, weight, bias, normalized_shape, eps, weight_offset,
+                    memory_efficient, client):
+    """An eager CUDA call straight to the variants' operator: (y, s), or None where the
+    checked path below takes it. The operator hands every call it does not take (arguments
+    _plan would refuse among them) back as a fallback, so the errors stay the checked path's."""
+    if _fln._eager_op is False or torch._C._get_tracing_state() is not None:
+        return None
+    op = _eager.variant_op()
+    if op is None or input.dtype not in _DTYPES or completion_mode() != "enqueue":
+        return None
+    client = client or default_client()
+    need = _features(residual, weight_offset, False)
+    if need & ~_conn_features(client):
+        return None
+    if type(eps) is not float:
+        eps = 0.0 if eps is None else float(eps)
+    out = _fln._operator_call(op, client, input, residual, weight, bias,
+                              _fln._cached_normalized_shape(normalized_shape), eps, rms,
+                              float(weight_offset or 0.0), memory_efficient)
+    if out is None:
+        return None
+    y, s = out
+    return y, (s if residual is not None else None)
 
 
 def _run_eager(rms, input, residual, weight, bias, shape, eps, weight_offset, memory_efficient,
