@@ -426,6 +426,47 @@ def test_inductor_fusion_can_be_turned_off_cpu(staged, monkeypatch):
     assert compile_fusion.stats == before
 
 
+@needs_cxx
+def test_inductor_fusion_declines_what_it_cannot_rewrite_cpu(staged):
+    """A weight computed from the add (the job would need its own output) stays unfused and
+    correct; normalized_shape from a dynamic size (symbols in the list) fuses."""
+    x, r = torch.randn(8, DIM), torch.randn(8, DIM)
+
+    def weight_from_the_add(x, r):
+        h = x + r
+        return N.fused_rms_norm_affine(h, h[0], (DIM,), EPS)
+
+    def symbolic_shape(x, r):
+        return N.fused_layer_norm(x + r, x.shape[-1:], EPS)
+
+    for f, fused in ((weight_from_the_add, 0), (symbolic_shape, 1)):
+        torch._dynamo.reset()
+        before = compile_fusion.stats["forward"]
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            got = torch.compile(f, fullgraph=True, dynamic=True)(x, r)
+        assert compile_fusion.stats["forward"] - before == fused, f.__name__
+        checks.expect_close(f.__name__, got, f(x, r), 1e-5)
+
+
+@needs_cxx
+def test_inductor_fusion_outlives_a_config_patch_cpu(staged):
+    """A compile inside config.patch(post_grad_custom_post_pass=...) chains the user's pass
+    with normd's, and the next compile, after the patch put the old value back, fuses too."""
+    seen = []
+
+    def f(x, r):
+        return N.fused_layer_norm(x + r, (DIM,), EPS)
+
+    x, r = torch.randn(8, DIM), torch.randn(8, DIM)
+    for patch in ({"post_grad_custom_post_pass": lambda graph: seen.append(1)}, {}):
+        torch._dynamo.reset()
+        before = compile_fusion.stats["forward"]
+        with torch._inductor.config.patch(fx_graph_cache=False, **patch):
+            torch.compile(f, fullgraph=True)(x, r)
+        assert compile_fusion.stats["forward"] == before + 1, patch
+    assert seen == [1]
+
+
 @pytest.mark.parametrize("how", ["mark_dynamic", "dynamic=True"])
 def test_dynamic_batch_compiles_once_cpu(staged, how):
     ref, ours = make_models("cpu", torch.float32)

@@ -17,11 +17,17 @@ jobs do the same arithmetic in the norm's pass over memory (docs/VARIANTS.md):
 
 Only where nothing else changes: both operands of the add of the same shape,
 dtype and device as the norm's input, no alpha, weights of the input's dtype
-(or none), and a daemon that runs the residual variant. Installed when the
-first normd op is traced for Inductor (the fake implementation calls
-``install()``; torch._inductor is not imported for it), chained after a
-post-grad pass the user set; ``NORMD_COMPILE_FUSION=0`` leaves Inductor's
-configuration alone. ``stats`` counts the rewrites of this process.
+(or none), no input of the new job computed from what it replaces, and a
+daemon that runs the residual variant. A case the pass cannot judge is left
+as it is; it never fails a compile. Installed when a normd op is traced
+(the fake implementation calls ``install()``, which puts the pass back if a
+``config.patch``, ``torch.compile(options=...)`` or the user replaced it,
+chained after the pass it finds there); ``NORMD_COMPILE_FUSION=0`` leaves
+Inductor's configuration alone.
+Inductor's caches key compiled graphs by this file's text, not by the
+daemon: a graph cached against a daemon with the residual variant, loaded
+where the daemon lacks it (one older than protocol 3), fails its job with
+UNSUPPORTED. ``stats`` counts the rewrites of this process.
 """
 
 import operator
@@ -37,24 +43,19 @@ from . import variants as _variants
 #: Rewrites made in this process: {"forward": n, "backward": n}.
 stats = {"forward": 0, "backward": 0}
 
-_VERSION = "normd-residual-fusion-1"
-_installed = False
+_pass_class = None
 
 
 def enabled():
     return os.environ.get("NORMD_COMPILE_FUSION", "1") != "0"
 
 
-def install():
-    """Puts the pass into Inductor's post-grad passes once, if Inductor is in use."""
-    global _installed
-    if _installed or not enabled() or "torch._inductor.config" not in sys.modules:
-        return
-    _installed = True
-    from torch._inductor import config
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+def _make_pass_class():
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class ResidualFusion(CustomGraphPass):
+        """normd's pass, after the post-grad pass that was set before it (if any)."""
+
         def __init__(self, before):
             self.before = before
 
@@ -70,9 +71,25 @@ def install():
                 before = self.before.uuid() if hasattr(self.before, "uuid") else None
                 if before is None:
                     return None  # a pass without an identity: no caching, as Inductor does
-            return (_VERSION, before, enabled())
+            return (get_hash_for_files((__file__,)), before, enabled())
 
-    config.post_grad_custom_post_pass = ResidualFusion(config.post_grad_custom_post_pass)
+    return ResidualFusion
+
+
+def install():
+    """Puts the pass into Inductor's post-grad passes, unless it is there; never raises."""
+    global _pass_class
+    if _pass_class is False or not enabled() or "torch._inductor.config" not in sys.modules:
+        return
+    try:
+        from torch._inductor import config
+        if _pass_class is None:
+            _pass_class = _make_pass_class()
+        current = config.post_grad_custom_post_pass
+        if not isinstance(current, _pass_class):
+            config.post_grad_custom_post_pass = _pass_class(current)
+    except Exception:  # an Inductor without custom graph passes (PyTorch < 2.6): no fusion
+        _pass_class = False
 
 
 # ---- the rewrite -----------------------------------------------------------------------------
@@ -85,7 +102,15 @@ def _ops():
 
 
 def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+
+
+def _named_args(node):
+    """The call's arguments by their schema names, or None if any is not positional."""
+    names = [a.name for a in node.target._schema.arguments]
+    if node.kwargs or len(node.args) != len(names):
+        return None
+    return dict(zip(names, node.args))
 
 
 def _same_tensor_kind(a, b):
@@ -108,8 +133,8 @@ def _plain_add(node):
 
 def _weights_fit(input_val, *weights):
     """Weights absent or of the input's dtype: the plain and variant ops then agree on dtypes."""
-    return all(w is None or (_val(w) is not None and _val(w).dtype == input_val.dtype)
-               for w in weights)
+    return all(w is None or (isinstance(_val(w), torch.Tensor) and
+                             _val(w).dtype == input_val.dtype) for w in weights)
 
 
 def _daemon_runs_residual(key):
@@ -120,21 +145,44 @@ def _daemon_runs_residual(key):
 
 
 def _outputs(node):
-    """{index: getitem node} of a multi-output node; None if used other than by getitem."""
+    """{index: getitem node} of a multi-output node; None if used other than by one getitem
+    an output."""
     out = {}
     for user in node.users:
-        if user.op != "call_function" or user.target is not operator.getitem:
+        if user.op != "call_function" or user.target is not operator.getitem or \
+                user.args[1] in out:
             return None
         out[user.args[1]] = user
     return out
 
 
-def _emit(graph, before, op, args):
-    """op(*args) and its getitems, before `before`, with the fake values Inductor reads."""
-    vals = [_val(a) if isinstance(a, torch.fx.Node) else a for a in args]
-    fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+def _reaches(sources, targets):
+    """Whether any of `targets` is among `sources` or what they are computed from."""
+    seen, todo = set(), [n for n in sources if isinstance(n, torch.fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n in targets:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _fake_call(op, args):
+    """op on the arguments' fake values (what Inductor reads of the new nodes), or None."""
+    vals = torch.fx.node.map_arg(args, _val)
+    tensors = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
+    fake_mode = torch._guards.detect_fake_mode(tensors)
+    if fake_mode is None:
+        return None
     with fake_mode:
-        result = op(*vals)
+        return op(*vals)
+
+
+def _emit(graph, before, op, args, result):
+    """op(*args) and its getitems, before `before`, with their fake values."""
     with graph.inserting_before(before):
         call = graph.call_function(op, tuple(args))
         call.meta["val"] = result
@@ -146,70 +194,84 @@ def _emit(graph, before, op, args):
     return items
 
 
-def _fuse_forward(graph, node, rms, ops):
-    """add + plain forward -> variant forward with a residual; True if rewritten."""
-    if node.kwargs or len(node.args) != (7 if rms else 8):
-        return False
-    if rms:
-        input, weight, shape, eps, mixed, memory_efficient, key = node.args
-        bias = None
-    else:
-        input, weight, bias, shape, eps, mixed, memory_efficient, key = node.args
-    operands = _plain_add(input)
+def _forward_plan(node, rms, ops):
+    """The rewrite of add + plain forward (see _rewrite), or None."""
+    a = _named_args(node)
     outputs = _outputs(node)
-    if operands is None or outputs is None:
-        return False
-    a, b = operands
-    s_val = _val(input)
-    if not (_same_tensor_kind(_val(a), s_val) and _same_tensor_kind(_val(b), s_val) and
-            _weights_fit(s_val, weight, bias) and _daemon_runs_residual(key)):
-        return False
-    y, s, mean, invvar = _emit(graph, node, ops[4], (a, b, weight, bias, shape, eps, rms, 0.0,
-                                                    memory_efficient, key))
-    stats_of = {0: y, 1: invvar} if rms else {0: y, 1: mean, 2: invvar}
-    for index, item in outputs.items():
-        item.replace_all_uses_with(stats_of[index])
-        graph.erase_node(item)
-    graph.erase_node(node)
-    input.replace_all_uses_with(s)
-    graph.erase_node(input)
-    return True
+    if a is None or outputs is None:
+        return None
+    add = a["input"]
+    operands = _plain_add(add)
+    if operands is None:
+        return None
+    weight, bias = a["weight"], a.get("bias")
+    s_val = _val(add)
+    if not (_same_tensor_kind(_val(operands[0]), s_val) and
+            _same_tensor_kind(_val(operands[1]), s_val) and _weights_fit(s_val, weight, bias)
+            and not _reaches((weight, bias), {add, node}) and
+            _daemon_runs_residual(a["client"])):
+        return None
+    args = (operands[0], operands[1], weight, bias, a["normalized_shape"], a["eps"], rms, 0.0,
+            a["memory_efficient"], a["client"])
+
+    def swap(new):
+        y, s, mean, invvar = new
+        stats_of = {0: y, 1: invvar} if rms else {0: y, 1: mean, 2: invvar}
+        return [(item, stats_of[i]) for i, item in outputs.items()] + [(node, None), (add, s)]
+
+    return ops[4], args, node, swap
 
 
-def _fuse_backward(graph, node, rms, ops):
-    """plain backward + add of its dx -> variant backward with grad_s; True if rewritten."""
-    if node.kwargs or len(node.args) != (11 if rms else 14):
-        return False
-    if rms:
-        (grad_y, saved, weight, invvar, shape, eps, mixed, memory_efficient, input_dtype,
-         weight_grad, key) = node.args
-        bias, mean, bias_grad = None, None, False
-    else:
-        (grad_y, saved, weight, bias, mean, invvar, shape, eps, mixed, memory_efficient,
-         input_dtype, weight_grad, bias_grad, key) = node.args
+def _backward_plan(node, rms, ops):
+    """The rewrite of a plain backward + the add of its dx (see _rewrite), or None."""
+    a = _named_args(node)
     outputs = _outputs(node)
-    if outputs is None or 0 not in outputs or len(outputs[0].users) != 1:
-        return False
+    if a is None or outputs is None or 0 not in outputs or len(outputs[0].users) != 1:
+        return None
     dx = outputs[0]
     add = next(iter(dx.users))
     operands = _plain_add(add)
     if operands is None or dx not in operands or operands[0] is operands[1]:
-        return False
+        return None
     grad_s = operands[1] if operands[0] is dx else operands[0]
-    saved_val = _val(saved)
-    if not (_same_tensor_kind(_val(grad_s), _val(dx)) and saved_val is not None and
-            saved_val.dtype == input_dtype == _val(dx).dtype and
-            _weights_fit(saved_val, weight, bias) and _daemon_runs_residual(key)):
+    saved, weight, bias = a["saved"], a["weight"], a.get("bias")
+    saved_val, dx_val = _val(saved), _val(dx)
+    if not (_same_tensor_kind(_val(grad_s), dx_val) and isinstance(saved_val, torch.Tensor) and
+            saved_val.dtype == a["input_dtype"] == dx_val.dtype and
+            _weights_fit(saved_val, weight, bias) and not _reaches((grad_s,), {node}) and
+            _daemon_runs_residual(a["client"])):
+        return None
+    args = (a["grad_output"], grad_s, saved, weight, bias, a.get("mean"), a["invvar"],
+            a["normalized_shape"], a["eps"], rms, 0.0, a["memory_efficient"], a["weight_grad"],
+            a.get("bias_grad", False), a["client"])
+
+    def swap(new):
+        return [(add, new[0])] + [(item, new[i] if i else None) for i, item in outputs.items()] \
+            + [(node, None)]
+
+    return ops[5], args, add, swap
+
+
+def _rewrite(graph, planner, node, rms, ops):
+    """Rewrites one case; False where the planner declines or raises (the graph unchanged).
+
+    A plan is (variant op, its arguments, the node to insert before, swap):
+    swap(new getitems) lists (old node, its replacement or None), erased in order.
+    """
+    try:
+        plan = planner(node, rms, ops)
+        if plan is None:
+            return False
+        op, args, where, swap = plan
+        result = _fake_call(op, args)
+    except Exception:  # a shape the checks cannot decide (unbacked sizes, say): left as it is
         return False
-    new = _emit(graph, add, ops[5], (grad_y, grad_s, saved, weight, bias, mean, invvar, shape,
-                                     eps, rms, 0.0, memory_efficient, weight_grad, bias_grad, key))
-    add.replace_all_uses_with(new[0])
-    graph.erase_node(add)
-    for index, item in outputs.items():
-        if index != 0:
-            item.replace_all_uses_with(new[index])
-        graph.erase_node(item)
-    graph.erase_node(node)
+    if result is None:
+        return False
+    for old, new in swap(_emit(graph, where, op, args, result)):
+        if new is not None:
+            old.replace_all_uses_with(new)
+        graph.erase_node(old)
     return True
 
 
@@ -222,12 +284,12 @@ def fuse(graph):
     for node in list(graph.nodes):
         if node.op != "call_function" or getattr(node, "_erased", False):
             continue
-        if node.target in (ops[0], ops[1]) and _fuse_forward(graph, node, node.target is ops[1],
-                                                             ops):
+        if node.target in (ops[0], ops[1]) and _rewrite(graph, _forward_plan, node,
+                                                        node.target is ops[1], ops):
             stats["forward"] += 1
             done += 1
-        elif node.target in (ops[2], ops[3]) and _fuse_backward(graph, node,
-                                                                node.target is ops[3], ops):
+        elif node.target in (ops[2], ops[3]) and _rewrite(graph, _backward_plan, node,
+                                                          node.target is ops[3], ops):
             stats["backward"] += 1
             done += 1
     if done:
