@@ -455,19 +455,19 @@ def variant_norm(rms, input, residual, weight, bias, normalized_shape, eps, weig
     """One call of a variant module or function: (y, s), s None without residual."""
     # With autocast off, the block below would change nothing: eager calls skip it.
     compiling = _is_compiling is not None and _is_compiling()
-    autocast = _any_autocast() and _autocast_enabled()
-    if input.is_cuda and not compiling and not autocast:
-        out = _eager_straight(rms, input, residual, weight, bias, normalized_shape, eps,
-                              weight_offset, memory_efficient, client)
-        if out is not None:
-            return out
-    if input.is_cuda and (compiling or autocast):
+    if input.is_cuda and (compiling or (_any_autocast() and _autocast_enabled())):
         input, residual, weight, bias = _autocast_cast(input, residual, weight, bias)
         with torch.autocast("cuda", enabled=False):
             return _variant_norm(rms, input, residual, weight, bias, normalized_shape, eps,
                                  weight_offset, memory_efficient, client)
+    if input.is_cuda:
+        out = _eager_straight(rms, input, residual, weight, bias, normalized_shape, eps,
+                              weight_offset, memory_efficient, client)
+        if out is not None:
+            return out
+    # The operator, if it could take the call, has just said no: not asked twice.
     return _variant_norm(rms, input, residual, weight, bias, normalized_shape, eps,
-                         weight_offset, memory_efficient, client)
+                         weight_offset, memory_efficient, client, eager=False)
 
 
 def _conn_features(client):
@@ -482,27 +482,18 @@ def _conn_features(client):
 
 def _eager_straight(rms, input, residual, weight, bias, normalized_shape, eps, weight_offset,
                     memory_efficient, client):
-    """An eager CUDA call straight to the variants' operator: (y, s), or None where the
-    checked path below takes it. The operator hands every call it does not take (arguments
-    _plan would refuse among them) back as a fallback, so the errors stay the checked path's."""
-    if _fln._eager_op is False or torch._C._get_tracing_state() is not None:
-        return None
-    op = _eager.variant_op()
-    if op is None or input.dtype not in _DTYPES or completion_mode() != "enqueue":
+    """An eager CUDA call straight to the variants' operator (_run_eager), before the checks
+    and routing of _variant_norm: (y, s), or None where that path takes it. The operator
+    hands every call it does not take (arguments _plan would refuse among them) back as a
+    fallback, so the errors stay the checked path's."""
+    if torch._C._get_tracing_state() is not None or input.dtype not in _DTYPES:
         return None
     client = client or default_client()
-    need = _features(residual, weight_offset, False)
-    if need & ~_conn_features(client):
+    if _features(residual, weight_offset, False) & ~_conn_features(client):
         return None
-    if type(eps) is not float:
-        eps = 0.0 if eps is None else float(eps)
-    out = _fln._operator_call(op, client, input, residual, weight, bias,
-                              _fln._cached_normalized_shape(normalized_shape), eps, rms,
-                              float(weight_offset or 0.0), memory_efficient)
-    if out is None:
-        return None
-    y, s = out
-    return y, (s if residual is not None else None)
+    return _run_eager(rms, input, residual, weight, bias,
+                      _fln._cached_normalized_shape(normalized_shape), eps, weight_offset,
+                      memory_efficient, client)
 
 
 def _run_eager(rms, input, residual, weight, bias, shape, eps, weight_offset, memory_efficient,
@@ -527,12 +518,12 @@ def _run_eager(rms, input, residual, weight, bias, shape, eps, weight_offset, me
 
 
 def _variant_norm(rms, input, residual, weight, bias, normalized_shape, eps, weight_offset,
-                  memory_efficient, client):
+                  memory_efficient, client, eager=True):
     shape = _normalized_shape(normalized_shape)
     _plan(input, residual, weight, bias, shape, weight_offset)
     where, daemon = _route(input, _features(residual, weight_offset, False), client)
     if where == "daemon":
-        if input.is_cuda:
+        if input.is_cuda and eager:
             out = _run_eager(rms, input, residual, weight, bias, shape, eps, weight_offset,
                              memory_efficient, daemon)
             if out is not None:
